@@ -1,0 +1,72 @@
+"""Disk checkpoints: sharded DCP folders written by Lightning's ModelCheckpoint.
+
+A checkpoint is a folder ``step<NNNNNNNN>.ckpt`` holding torch.distributed.checkpoint
+shards (model + optimizer) and Lightning's ``meta.pt`` (loops, schedulers,
+callbacks, data position). It counts as complete only when both DCP's
+``.metadata`` and ``meta.pt`` exist: rank 0 writes ``meta.pt`` last, so a run
+killed mid-save leaves an incomplete folder that resume skips.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+__all__ = [
+    "CHECKPOINT_GLOB",
+    "checkpoint_name",
+    "checkpoint_step",
+    "is_complete_checkpoint",
+    "latest_checkpoint",
+    "resolve_resume",
+]
+
+CHECKPOINT_GLOB = "step*.ckpt"
+_STEP_RE = re.compile(r"^step(\d+)\.ckpt$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step{step:08d}.ckpt"
+
+
+def checkpoint_step(path: str | Path) -> int | None:
+    match = _STEP_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``directory``, or None."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        return None
+    found = [
+        (step, p)
+        for p in directory.glob(CHECKPOINT_GLOB)
+        if (step := checkpoint_step(p)) is not None and is_complete_checkpoint(p)
+    ]
+    return max(found)[1] if found else None
+
+
+def resolve_resume(resume: str, directory: str | Path) -> Path | None:
+    """Turn ``checkpoint.resume`` into a checkpoint path (or None to start fresh).
+
+    ``auto``: the latest complete checkpoint in ``directory`` if any; ``never``:
+    None; anything else must be a complete checkpoint folder.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(directory)
+    path = Path(resume).expanduser()
+    if not is_complete_checkpoint(path):
+        raise FileNotFoundError(
+            f"checkpoint.resume={resume!r} is not a complete checkpoint folder "
+            "(needs .metadata and meta.pt); "
+            f"use checkpoint.resume=auto to pick the latest one in checkpoint.dir, or never to start fresh"
+        )
+    return path

@@ -1,0 +1,159 @@
+"""What ``launch.py`` does with a composed config: validate, plan, prepare data, start ranks, report.
+
+Every check that can fail runs here, before any rank starts. Exit codes:
+0 done; 2 bad config or data (the message names the key or the file);
+3 the recipe does not fit this machine; 130/143 interrupted; otherwise the
+first failing rank's exit code (128 + signal if it was killed).
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["EXIT_CONFIG", "EXIT_DOES_NOT_FIT", "run_job"]
+
+EXIT_CONFIG = 2
+EXIT_DOES_NOT_FIT = 3
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _error(kind: str, err: BaseException) -> None:
+    print(f"{kind}: {err}", file=sys.stderr)
+
+
+def run_job(cfg: DictConfig) -> int:
+    from ckless_lightning.config import job_config_from_dict
+
+    try:
+        container: Any = OmegaConf.to_container(cfg, resolve=True)
+        job = job_config_from_dict(container)
+    except ValueError as err:
+        _error("config error", err)
+        return EXIT_CONFIG
+
+    run_dir = Path(job.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    OmegaConf.save(OmegaConf.create(container), config_path)
+
+    from ckless_lightning.plan import available_bytes_per_rank, check_fits, plan_job
+
+    plan = plan_job(job)
+    if job.dry_run:
+        print(plan.format())
+        print(f"resolved config: {config_path}")
+        print(
+            "to start the ranks yourself: torchrun --nnodes "
+            f"{job.cluster.nnodes} --nproc-per-node {job.cluster.nproc_per_node} "
+            f"-m ckless_lightning.rank --config {shlex.quote(str(config_path))}"
+        )
+        return 0
+
+    available, source = available_bytes_per_rank(job.cluster.accelerator, job.cluster.nproc_per_node)
+    try:
+        check_fits(plan, available, source)
+    except MemoryError as err:
+        _error("refused", err)
+        return EXIT_DOES_NOT_FIT
+
+    from ckless_lightning.checkpointing import resolve_resume
+    from ckless_lightning.data import prepare_dataset
+    from ckless_lightning.training import resolve_accelerator
+
+    try:
+        resolve_accelerator(job.cluster.accelerator)
+        prepared = prepare_dataset(job.data)
+        global_batch = job.data.micro_batch_size * job.cluster.world_size
+        if prepared.num_samples < global_batch:
+            raise ValueError(
+                f"data.source has {prepared.num_samples} sequences of "
+                f"data.seq_len={job.data.seq_len}+1 tokens, "
+                f"fewer than one step needs ({global_batch}); give more data or lower data.seq_len"
+            )
+        resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
+    except (ValueError, FileNotFoundError) as err:
+        _error("config error", err)
+        return EXIT_CONFIG
+
+    print(plan.format())
+    print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
+    print(f"resuming from {resume}" if resume else "starting from step 0")
+    code = _run_ranks(job, config_path)
+    _report(job, run_dir, code)
+    return code
+
+
+def _run_ranks(job: Any, config_path: Path) -> int:
+    from ckless_lightning.agent.local import RankGroup, RankSpec
+
+    cluster = job.cluster
+    port = cluster.master_port or _free_port()
+    specs = [
+        RankSpec(
+            global_rank=cluster.node_rank * cluster.nproc_per_node + local,
+            local_rank=local,
+            world_size=cluster.world_size,
+            local_world_size=cluster.nproc_per_node,
+            node_rank=cluster.node_rank,
+            master_addr=cluster.master_addr,
+            master_port=port,
+        )
+        for local in range(cluster.nproc_per_node)
+    ]
+    group = RankGroup(
+        [sys.executable, "-m", "ckless_lightning.rank", "--config", str(config_path)],
+        specs,
+        Path(job.run_dir) / "rank_logs",
+    )
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signum)
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        group.start()
+        code = group.wait()
+    except KeyboardInterrupt as interrupt:
+        group.stop()
+        signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+        print(f"interrupted: stopped all {len(specs)} ranks", file=sys.stderr)
+        return 128 + int(signum)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if code:
+        rank = group.failed_rank
+        print(
+            f"rank {rank} failed with exit code {code}; all ranks stopped. Last lines of its log:",
+            file=sys.stderr,
+        )
+        print(group.log_tail(rank if rank is not None else 0), file=sys.stderr)
+    return code
+
+
+def _report(job: Any, run_dir: Path, code: int) -> None:
+    from ckless_lightning.callbacks.loss_history import read_losses
+
+    losses = read_losses(run_dir / "losses.jsonl")
+    print()
+    print("done" if code == 0 else f"failed (exit code {code})")
+    if losses:
+        first, last = min(losses), max(losses)
+        print(f"loss: step {first}: {losses[first]:.4f} -> step {last}: {losses[last]:.4f}")
+    print(f"run dir:      {run_dir}")
+    print(f"config:       {run_dir / 'config.yaml'}")
+    print(f"losses:       {run_dir / 'losses.jsonl'}")
+    print(f"metrics:      {run_dir / 'logs'}/version_<N>/metrics.csv")
+    print(f"rank logs:    {run_dir / 'rank_logs'}/rank<N>.log")
+    print(f"checkpoints:  {job.checkpoint.dir}")

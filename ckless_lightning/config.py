@@ -1,0 +1,292 @@
+"""Typed job configuration, built from the Hydra-composed config.
+
+Hydra composes YAML (``conf/`` + ``recipes/`` + command-line overrides); this
+module turns the result into dataclasses that validate themselves in
+``__post_init__``. Every user error is a ``ValueError`` that names the config
+key and the fix, and it is raised in ``launch.py`` before any rank starts.
+
+Nothing here imports torch or Lightning: ``launch.py --help`` and the dry run's
+config checks stay cheap. The model section is instantiated with Hydra
+(``_target_`` names the model family's config class).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ckless_lightning.data.config import DataConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "ClusterConfig",
+    "JobConfig",
+    "OptimConfig",
+    "TrainerConfig",
+    "build_section",
+    "job_config_from_dict",
+]
+
+_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+_ACCELERATORS = ("auto", "cpu", "gpu")
+
+
+@dataclass
+class ClusterConfig:
+    """Shape of the job: nodes x ranks per node, and the (replicate, shard) mesh over them.
+
+    ``replicate > 1`` is HSDP (each replica holds 1/shard of the state);
+    ``replicate == 1`` is plain FSDP. ``shard = -1`` means world_size // replicate.
+    """
+
+    nnodes: int = 1
+    nproc_per_node: int = 4
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port (single node only)
+    replicate: int = 1
+    shard: int = -1
+    accelerator: str = "auto"
+    # Memory per rank (GiB) assumed by the recipe's plan, e.g. 80 for an H100 80GB; informational.
+    device_memory_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("nnodes", "nproc_per_node", "replicate"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"cluster.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"cluster.node_rank={self.node_rank} is outside 0..{self.nnodes - 1} "
+                f"(cluster.nnodes={self.nnodes})"
+            )
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"cluster.master_port must be in 0..65535, got {self.master_port}")
+        if self.master_port == 0 and self.nnodes > 1:
+            raise ValueError(
+                "cluster.master_port=0 (pick a free port) only works on one node; "
+                "set cluster.master_port to a port every node can reach"
+            )
+        if self.accelerator not in _ACCELERATORS:
+            raise ValueError(f"cluster.accelerator must be one of {_ACCELERATORS}, got {self.accelerator!r}")
+        world = self.world_size
+        if self.shard == -1:
+            if world % self.replicate:
+                raise ValueError(
+                    f"cluster.replicate={self.replicate} does not divide the world size {world} "
+                    f"(cluster.nnodes={self.nnodes} x cluster.nproc_per_node={self.nproc_per_node}); "
+                    "choose a replicate degree that divides it"
+                )
+            self.shard = world // self.replicate
+        if self.shard < 1 or self.replicate * self.shard != world:
+            raise ValueError(
+                f"mesh cluster.replicate={self.replicate} x cluster.shard={self.shard} = "
+                f"{self.replicate * self.shard} does not match the world size {world} "
+                f"(cluster.nnodes={self.nnodes} x cluster.nproc_per_node={self.nproc_per_node}); "
+                "set cluster.shard=-1 to derive it, or change the degrees so their product is the world size"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        return (self.replicate, self.shard)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr`` at ``trainer.max_steps``."""
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    # Length of the schedule; null: trainer.max_steps. Set it to stop a run early
+    # on the same schedule as a longer one (e.g. stop at step 10 of a 20-step run).
+    decay_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(
+                f"optim.decay_steps must be >= 1 or null (= trainer.max_steps), got {self.decay_steps}"
+            )
+        self.betas = tuple(self.betas)  # type: ignore[assignment]  # YAML gives a list
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
+
+
+@dataclass
+class TrainerConfig:
+    """The Lightning ``Trainer`` arguments a recipe sets, plus the global batch size.
+
+    ``devices``, ``num_nodes``, ``strategy`` and ``accumulate_grad_batches`` are
+    derived from ``cluster`` and the batch sizes, so they are not keys here.
+    """
+
+    max_steps: int = 20
+    global_batch_size: int = 16
+    gradient_clip_val: float | None = 1.0
+    precision: str = "32-true"
+    log_every_n_steps: int = 1
+    enable_progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError(f"trainer.max_steps must be >= 1, got {self.max_steps}")
+        if self.global_batch_size < 1:
+            raise ValueError(f"trainer.global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.gradient_clip_val is not None and self.gradient_clip_val <= 0:
+            raise ValueError(
+                f"trainer.gradient_clip_val must be > 0 or null (no clipping), got {self.gradient_clip_val}"
+            )
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"trainer.precision must be one of {_PRECISIONS}, got {self.precision!r}")
+        if self.log_every_n_steps < 1:
+            raise ValueError(f"trainer.log_every_n_steps must be >= 1, got {self.log_every_n_steps}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded torch.distributed.checkpoint (DCP) checkpoints: the fallback of every tier.
+
+    ``resume``: ``auto`` resumes from the latest complete checkpoint in ``dir``
+    if there is one, ``never`` starts fresh, anything else is a checkpoint path.
+    """
+
+    dir: str = "checkpoints"
+    every_n_steps: int = 0  # 0: no periodic checkpoints
+    keep_last: int = 3
+    save_final: bool = True  # a checkpoint of the final step, whatever every_n_steps says
+    resume: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 0:
+            raise ValueError(f"checkpoint.every_n_steps must be >= 0 (0 disables), got {self.every_n_steps}")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class JobConfig:
+    """The whole job, validated. Built by :func:`job_config_from_dict`."""
+
+    recipe: str
+    model: Any  # a model family's config dataclass (Llama3Config, MixtralConfig)
+    fsdp: Any  # ckless_lightning.models.FSDPConfig
+    data: DataConfig
+    optim: OptimConfig
+    trainer: TrainerConfig
+    cluster: ClusterConfig
+    checkpoint: CheckpointConfig
+    run_dir: str
+    seed: int = 1234
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        per_step = self.data.micro_batch_size * self.cluster.world_size
+        if self.trainer.global_batch_size % per_step:
+            raise ValueError(
+                f"trainer.global_batch_size={self.trainer.global_batch_size} is not a multiple of "
+                f"data.micro_batch_size={self.data.micro_batch_size} x world size {self.cluster.world_size}; "
+                f"use a multiple of {per_step}"
+            )
+        if self.model.vocab_size < 256 and self.data.format != "tokenized":
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} is smaller than the byte tokenizer's 256; "
+                "raise model.vocab_size or give pre-tokenized data (data.format=tokenized)"
+            )
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
+                "lower data.seq_len or raise model.max_seq_len"
+            )
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        return self.trainer.global_batch_size // (self.data.micro_batch_size * self.cluster.world_size)
+
+
+def build_section(cls: type, values: dict[str, Any] | None, key: str) -> Any:
+    """Build dataclass ``cls`` from ``values``; unknown keys raise ValueError naming ``key.<name>``."""
+    values = dict(values or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(f'{key}.{name}' for name in unknown)}; "
+            f"known keys under {key}: {', '.join(sorted(known))}"
+        )
+    return cls(**values)
+
+
+def _instantiate_model(values: dict[str, Any]) -> Any:
+    from hydra.utils import get_class
+
+    values = dict(values)
+    target = values.pop("_target_", None)
+    if target is None:
+        raise ValueError(
+            "model._target_ is missing: a recipe must name the model family's config class, "
+            "e.g. ckless_lightning.models.Llama3Config"
+        )
+    try:
+        cls = get_class(target)
+    except Exception as err:
+        raise ValueError(f"model._target_={target!r} cannot be imported: {err}") from err
+    return build_section(cls, values, "model")
+
+
+def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
+    """Validate a resolved config (``OmegaConf.to_container(cfg, resolve=True)``) into a JobConfig.
+
+    Keys that later tiers own (``tier``, ``fault``, ``hydra``) are ignored here.
+    """
+    from ckless_lightning.models import FSDPConfig
+
+    known_top = {
+        "recipe",
+        "model",
+        "fsdp",
+        "data",
+        "optim",
+        "trainer",
+        "cluster",
+        "checkpoint",
+        "run_dir",
+        "seed",
+        "dry_run",
+        "tier",
+        "fault",
+    }
+    unknown = sorted(set(cfg) - known_top)
+    if unknown:
+        raise ValueError(
+            f"unknown top-level config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known_top))}"
+        )
+    if "model" not in cfg:
+        raise ValueError("the config has no model section: pick a recipe, e.g. recipe=llama3_tiny")
+    return JobConfig(
+        recipe=str(cfg.get("recipe", "")),
+        model=_instantiate_model(cfg["model"]),
+        fsdp=build_section(FSDPConfig, cfg.get("fsdp"), "fsdp"),
+        data=build_section(DataConfig, cfg.get("data"), "data"),
+        optim=build_section(OptimConfig, cfg.get("optim"), "optim"),
+        trainer=build_section(TrainerConfig, cfg.get("trainer"), "trainer"),
+        cluster=build_section(ClusterConfig, cfg.get("cluster"), "cluster"),
+        checkpoint=build_section(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
+        run_dir=str(cfg.get("run_dir", ".")),
+        seed=int(cfg.get("seed", 1234)),
+        dry_run=bool(cfg.get("dry_run", False)),
+    )

@@ -1,0 +1,66 @@
+"""Data configuration: what to read, how to pack it and where to cache it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FORMATS", "DataConfig"]
+
+#: Accepted values of ``data.format``; ``auto`` picks one of the others from the source.
+FORMATS = ("auto", "text", "jsonl", "parquet", "tokenized")
+
+
+@dataclass
+class DataConfig:
+    """Where the training tokens come from and how they are packed.
+
+    ``source`` is ``None`` for the built-in corpus (the running Python's standard library,
+    no download), else a file, a directory of files or a glob. ``format="auto"`` decides by
+    file extension (a ``save_to_disk`` directory is ``tokenized``). Whether ``source`` exists
+    is checked by :func:`~ckless_lightning.data.prepare_dataset`, not here, so a config can be
+    built on a machine that does not hold the data. ``max_source_bytes`` caps how much of the
+    built-in corpus is read (for fast smoke runs); it does not apply to user sources.
+    """
+
+    source: str | None = None
+    format: str = "auto"
+    text_column: str = "text"
+    seq_len: int = 128
+    micro_batch_size: int = 4
+    cache_dir: str = "~/.cache/ckless_lightning/data"
+    seed: int = 1234
+    max_source_bytes: int | None = None
+    num_proc: int = 1
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format={self.format!r} is not supported; use one of {', '.join(FORMATS)}")
+        if self.source is not None and not str(self.source).strip():
+            raise ValueError("data.source is empty; set a path or glob, or null for the built-in corpus.")
+        if self.source is None and self.format not in ("auto", "text"):
+            raise ValueError(
+                f"data.format={self.format!r} needs data.source (the built-in corpus is plain text); "
+                "set data.source to your data or data.format to auto."
+            )
+        if not self.text_column:
+            raise ValueError("data.text_column is empty; set it to the name of the column holding the text.")
+        for key in ("seq_len", "micro_batch_size", "num_proc"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{key}={value!r} must be a positive integer.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"data.seed={self.seed!r} must be a non-negative integer.")
+        if self.max_source_bytes is not None:
+            if isinstance(self.max_source_bytes, bool) or not isinstance(self.max_source_bytes, int):
+                raise ValueError(f"data.max_source_bytes={self.max_source_bytes!r} must be an int or null.")
+            if self.max_source_bytes < 1:
+                raise ValueError(
+                    f"data.max_source_bytes={self.max_source_bytes} must be positive; use null for no cap."
+                )
+            if self.source is not None:
+                raise ValueError(
+                    "data.max_source_bytes only caps the built-in corpus (data.source=null); "
+                    f"remove it or trim data.source={self.source!r} yourself."
+                )
+        if not self.cache_dir:
+            raise ValueError("data.cache_dir is empty; set it to a writable directory.")

@@ -1,0 +1,183 @@
+"""Per-rank batches that are a pure function of (seed, step, dp rank): resumable from a step number.
+
+Checkpointless recovery restarts a rank at an arbitrary step without replaying the data
+pipeline, so nothing about the next batch may depend on iteration history. A "step" here
+is the loader's batch index: one micro-batch per rank per step; mapping optimizer steps
+(with gradient accumulation) to loader steps is the caller's job.
+
+The rule: ``G = micro_batch_size * dp_size`` samples per step, ``steps_per_epoch =
+num_samples // G`` (the remainder is skipped each epoch), epoch ``e = step //
+steps_per_epoch`` reads the samples in a seeded random permutation of the whole dataset,
+step ``s`` takes the ``G``-slice ``(s % steps_per_epoch) * G`` of it, and dp rank ``r``
+takes the ``r``-th ``micro_batch_size`` chunk of that slice. No sample repeats within an
+epoch, and the union over ranks of one step is exactly that step's slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import count
+from typing import Any
+
+import torch
+
+__all__ = ["StepBatchLoader", "epoch_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """Generator seed of an epoch's permutation: splitmix64 of ``(seed, epoch)``.
+
+    Mixed rather than ``seed + epoch`` so that seed 1 epoch 1 and seed 2 epoch 0 differ.
+    Stable across runs and machines; the permutation itself is ``torch.randperm``'s.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + epoch + 1) & _MASK64
+    for _ in range(2):
+        z = (z + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+    return z >> 1  # 63 bits: fits every manual_seed implementation
+
+
+class StepBatchLoader:
+    """The training iterable of one dp rank; yields ``{"input_ids", "sample_ids", "step"}`` dicts.
+
+    ``input_ids`` is a ``LongTensor[micro_batch_size, seq_len + 1]``, ``sample_ids`` a
+    ``LongTensor[micro_batch_size]`` read from the dataset's ``sample_id`` column.
+    ``dataset`` is what :func:`~ckless_lightning.data.load_prepared` returns (anything with
+    ``len`` and list indexing to those two columns works).
+
+    Position contract: ``__iter__`` starts at ``start_step`` (constructor,
+    ``set_start_step`` or ``load_state_dict``) and stops before ``max_steps`` (never, if
+    ``None``). Lightning prefetches a batch ahead, so how many batches were *yielded* is not
+    how many were *trained on*: the training module owns the committed position and stores
+    it in ``position`` (via ``set_position``) after each optimizer step. ``state_dict()``
+    reports ``next_step = position`` when it was set since the current iteration began, and
+    otherwise the yield count (the step after the last yielded batch, or the start step).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        seed: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        start_step: int = 0,
+        max_steps: int | None = None,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"data.micro_batch_size={micro_batch_size} must be positive.")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
+        if max_steps is not None and max_steps < 0:
+            raise ValueError(f"max_steps={max_steps} must be non-negative or None.")
+        self.dataset = dataset
+        self.seed = int(seed)
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.max_steps = max_steps
+        self.num_samples = len(dataset)
+        self.global_batch_size = micro_batch_size * dp_size
+        self.steps_per_epoch = self.num_samples // self.global_batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
+                f"data.micro_batch_size * world size = {micro_batch_size} * {dp_size} = "
+                f"{self.global_batch_size}; "
+                "lower data.micro_batch_size, use fewer ranks or add data."
+            )
+        self._start_step = self._check_step(start_step)
+        self._yield_next = self._start_step
+        #: Committed next step, owned by the training module; ``None`` until it sets one.
+        self.position: int | None = None
+        self._perm_epoch = -1
+        self._perm = torch.empty(0, dtype=torch.long)
+
+    @staticmethod
+    def _check_step(step: int) -> int:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"loader step {step!r} must be a non-negative integer.")
+        return step
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            self._perm = torch.randperm(self.num_samples, generator=generator)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def sample_indices(self, step: int, dp_rank: int | None = None) -> list[int]:
+        """Dataset row indices of ``dp_rank``'s micro-batch at ``step`` (default: this rank)."""
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        assert 0 <= rank < self.dp_size, f"dp_rank {rank} outside [0, {self.dp_size})"
+        epoch, within = divmod(self._check_step(step), self.steps_per_epoch)
+        begin = within * self.global_batch_size + rank * self.micro_batch_size
+        return self._permutation(epoch)[begin : begin + self.micro_batch_size].tolist()
+
+    def batch(self, step: int) -> dict[str, Any]:
+        """This rank's batch at ``step``; what ``__iter__`` yields for it."""
+        rows = self.dataset[self.sample_indices(step)]
+        return {
+            "input_ids": torch.as_tensor(rows["input_ids"], dtype=torch.long),
+            "sample_ids": torch.as_tensor(rows["sample_id"], dtype=torch.long),
+            "step": step,
+        }
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        # Reset eagerly (not inside the generator) so a set_position right after iter() sticks.
+        start = self._start_step
+        self._yield_next = start
+        self.position = None
+        return self._generate(start)
+
+    def _generate(self, start: int) -> Iterator[dict[str, Any]]:
+        steps = count(start) if self.max_steps is None else range(start, self.max_steps)
+        for step in steps:
+            item = self.batch(step)
+            self._yield_next = step + 1
+            yield item
+
+    def __len__(self) -> int:
+        """``max_steps``, counted from step 0 (Lightning counts restored batches towards it)."""
+        if self.max_steps is None:
+            raise TypeError("StepBatchLoader without max_steps is infinite and has no length")
+        return self.max_steps
+
+    def set_position(self, step: int) -> None:
+        """Record the committed next step (call after each optimizer step); ``state_dict`` reports it."""
+        self.position = self._check_step(step)
+
+    def set_start_step(self, step: int) -> None:
+        """Start the next ``__iter__`` at ``step``; also makes it the committed position."""
+        self._start_step = self._check_step(step)
+        self._yield_next = self._start_step
+        self.position = self._start_step
+
+    def state_dict(self) -> dict[str, int]:
+        """Lightning's resumable-loader hook; see the class docstring for ``next_step``."""
+        next_step = self.position if self.position is not None else self._yield_next
+        return {"next_step": next_step, "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume at ``state_dict["next_step"]`` on the next ``__iter__``; the sample order must match."""
+        for key in ("next_step", "seed", "dp_size"):
+            if key not in state_dict:
+                raise ValueError(f"loader state is missing {key!r}; it has {sorted(state_dict)}.")
+        if state_dict["seed"] != self.seed:
+            raise ValueError(
+                f"loader state was saved with data.seed={state_dict['seed']}, this run uses {self.seed}: "
+                "resuming would read a different sample order. Set data.seed back or start a fresh run."
+            )
+        if state_dict["dp_size"] != self.dp_size:
+            raise ValueError(
+                f"loader state was saved with {state_dict['dp_size']} data-parallel ranks, this run has "
+                f"{self.dp_size}: the global batch and sample order differ. Resume with the same world size "
+                "or start a fresh run."
+            )
+        self.set_start_step(int(state_dict["next_step"]))
+        self.position = None

@@ -1,0 +1,63 @@
+"""Llama 3 and Mixtral in plain torch, their FSDP2 plans, and sharding-independent init.
+
+Typical use (every rank)::
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    parallelize_model(model, mesh, cfg=FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32"))
+    model.to_empty(device="cuda")
+    init_weights(model, seed)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ckless_lightning.models.init import init_weights
+from ckless_lightning.models.layers import CausalLMOutput
+from ckless_lightning.models.llama3 import Llama3, Llama3Config
+from ckless_lightning.models.mixtral import Mixtral, MixtralConfig
+from ckless_lightning.models.parallelize import (
+    FSDPConfig,
+    fsdp_shard_dims,
+    parallelize_llama3,
+    parallelize_mixtral,
+)
+
+__all__ = [
+    "CausalLMOutput",
+    "FSDPConfig",
+    "Llama3",
+    "Llama3Config",
+    "Mixtral",
+    "MixtralConfig",
+    "build_model",
+    "fsdp_shard_dims",
+    "init_weights",
+    "parallelize_llama3",
+    "parallelize_mixtral",
+    "parallelize_model",
+]
+
+
+def build_model(cfg: Llama3Config | MixtralConfig) -> nn.Module:
+    """Construct the model ``cfg`` describes on the current default device (use ``torch.device("meta")``).
+
+    Weights come from the constructors' default init; call ``init_weights``
+    for the seed-determined, sharding-independent ones.
+    """
+    if isinstance(cfg, MixtralConfig):
+        return Mixtral(cfg)
+    if isinstance(cfg, Llama3Config):
+        return Llama3(cfg)
+    raise TypeError(f"build_model: expected Llama3Config or MixtralConfig, got {type(cfg).__name__}.")
+
+
+def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, cfg: FSDPConfig) -> nn.Module:
+    """Apply the FSDP2 plan matching ``model``'s family (in place) and return it."""
+    if isinstance(model, Mixtral):
+        return parallelize_mixtral(model, mesh, cfg=cfg)
+    if isinstance(model, Llama3):
+        return parallelize_llama3(model, mesh, cfg=cfg)
+    raise TypeError(f"parallelize_model: expected a Llama3 or Mixtral model, got {type(model).__name__}.")

@@ -1,0 +1,129 @@
+"""FSDP2 plans for the model families, kept beside (not inside) the models.
+
+Both plans are the torchtitan one: ``fully_shard`` each transformer block
+(one all-gather / reduce-scatter group per block), then the root, which picks
+up the embeddings, final norm and output head. The mesh is always 2-D
+``("replicate", "shard")``: ``replicate > 1`` is HSDP, ``replicate == 1`` is
+plain FSDP over the ``"shard"`` dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from ckless_lightning.models.llama3 import Llama3
+from ckless_lightning.models.mixtral import Experts, Mixtral
+
+__all__ = ["MESH_DIM_NAMES", "FSDPConfig", "fsdp_shard_dims", "parallelize_llama3", "parallelize_mixtral"]
+
+MESH_DIM_NAMES = ("replicate", "shard")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 settings: compute (``param_dtype``) and gradient-reduction dtypes by name, and resharding.
+
+    ``None`` dtypes keep the parameters' own dtype. ``reshard_after_forward``
+    applies to the transformer blocks; the root keeps FSDP's root default (not
+    resharded), since its parameters are needed first in backward.
+    """
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(
+                    f"FSDPConfig.{name}={value!r} is not a supported dtype name; use one of "
+                    f"{sorted(_DTYPES)} or None."
+                )
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(
+                f"FSDPConfig.reshard_after_forward={self.reshard_after_forward!r} must be true or false."
+            )
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The ``MixedPrecisionPolicy`` these names describe."""
+        return MixedPrecisionPolicy(
+            param_dtype=_DTYPES[self.param_dtype] if self.param_dtype else None,
+            reduce_dtype=_DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
+        )
+
+
+def _data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh to hand ``fully_shard``: the 2-D mesh for HSDP, its ``"shard"`` dim for FSDP."""
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES:
+        raise ValueError(
+            f"mesh must be 2-D with mesh_dim_names={MESH_DIM_NAMES}, got ndim={mesh.ndim} "
+            f"names={mesh.mesh_dim_names}; build it with init_device_mesh(device_type, (R, S), "
+            f"mesh_dim_names={MESH_DIM_NAMES})."
+        )
+    return mesh if mesh.size(0) > 1 else mesh["shard"]
+
+
+def fsdp_shard_dims(model: nn.Module) -> dict[str, int]:
+    """The tensor dim FSDP2 shards each parameter on, by parameter name: 0, except expert weights.
+
+    Expert weights ``[E, ...]`` are sharded on dim 1: with 8 experts over 32 or
+    more ranks, dim 0 would leave most ranks empty and a few holding whole
+    experts (torchtitan does the same without expert parallelism). The memory
+    plan (``ckless_lightning.plan``) uses the same map.
+    """
+    dims = {name: 0 for name, _ in model.named_parameters()}
+    for module_name, module in model.named_modules():
+        if isinstance(module, Experts):
+            for param_name, _ in module.named_parameters(recurse=False):
+                dims[f"{module_name}.{param_name}" if module_name else param_name] = 1
+    return dims
+
+
+def _shard_blocks_then_root(
+    model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, cfg: FSDPConfig
+) -> None:
+    dp_mesh = _data_parallel_mesh(mesh)
+    mp_policy = cfg.mp_policy()
+    params = dict(model.named_parameters())
+    dim_of = {id(params[name]): dim for name, dim in fsdp_shard_dims(model).items()}
+
+    def placement(param: nn.Parameter) -> Shard:
+        return Shard(dim_of.get(id(param), 0))
+
+    for block in blocks:
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=cfg.reshard_after_forward,
+            shard_placement_fn=placement,
+        )
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def parallelize_llama3(model: Llama3, mesh: DeviceMesh, *, cfg: FSDPConfig) -> Llama3:
+    """Apply FSDP2 to a ``Llama3`` in place (meta or materialised) and return it.
+
+    After this, ``model.to_empty(device=...)`` and ``init_weights`` for a meta build.
+    """
+    _shard_blocks_then_root(model, model.layers, mesh, cfg)
+    return model
+
+
+def parallelize_mixtral(model: Mixtral, mesh: DeviceMesh, *, cfg: FSDPConfig) -> Mixtral:
+    """Apply FSDP2 to a ``Mixtral`` in place and return it.
+
+    Expert weights ``[E, ...]`` are sharded on dim 1 (see :func:`fsdp_shard_dims`);
+    there is no expert parallelism.
+    """
+    _shard_blocks_then_root(model, model.layers, mesh, cfg)
+    return model

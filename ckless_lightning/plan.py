@@ -1,0 +1,123 @@
+"""Per-rank memory plan of a job, for ``dry_run=true`` and the fit check before ranks start.
+
+Counts what FSDP2 keeps sharded on every rank for the whole run: parameters,
+gradients and AdamW's two moments, at the master-weight dtype (fp32 unless
+``trainer.precision=bf16-true``). Each parameter is split over the ``shard``
+ranks of its replica along the dim its FSDP2 plan shards, and the largest
+rank's share is counted (FSDP2 pads uneven shards). Activations and the
+transient all-gathered block are not counted: the fit check demands headroom
+for them instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ckless_lightning.config import JobConfig
+
+__all__ = ["HEADROOM", "MemoryPlan", "available_bytes_per_rank", "check_fits", "plan_job"]
+
+# The sharded state may use at most this share of a rank's memory; the rest is
+# for activations, all-gathered blocks, communication buffers and the runtime.
+HEADROOM = 0.6
+_GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    recipe: str
+    model: str
+    num_params: int
+    world_size: int
+    mesh: tuple[int, int]
+    precision: str
+    master_bytes: int  # bytes per parameter element of the master weights
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+    def format(self) -> str:
+        replicate, shard = self.mesh
+        kind = "HSDP" if replicate > 1 else "FSDP"
+        lines = [
+            f"recipe:       {self.recipe} ({self.model})",
+            f"parameters:   {self.num_params:,} ({_count(self.num_params)})",
+            f"world size:   {self.world_size}",
+            f"mesh:         replicate={replicate} x shard={shard} ({kind})",
+            f"precision:    {self.precision} (master weights {self.master_bytes} B/param)",
+            "per-rank sharded state:",
+            f"  parameters       {_size(self.param_bytes)}",
+            f"  gradients        {_size(self.grad_bytes)}",
+            f"  optimizer state  {_size(self.optim_bytes)}  (AdamW exp_avg + exp_avg_sq)",
+            f"  total            {_size(self.total_bytes)}  (activations not included)",
+        ]
+        return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:10.2f} GiB" if n >= _GIB else f"{n / 1024**2:10.2f} MiB"
+
+
+def plan_job(job: JobConfig) -> MemoryPlan:
+    """Build ``job``'s model on the meta device (no memory) and size its per-rank shards."""
+    from ckless_lightning.models import build_model, fsdp_shard_dims
+
+    with torch.device("meta"):
+        model = build_model(job.model)
+    _, shard = job.cluster.mesh_shape
+    dims = fsdp_shard_dims(model)
+    num_params = 0
+    shard_elems = 0
+    for name, p in model.named_parameters():
+        num_params += p.numel()
+        dim = dims[name]
+        size = p.shape[dim] if p.ndim else 1
+        shard_elems += math.ceil(size / shard) * (p.numel() // max(size, 1))
+    master = 2 if job.trainer.precision == "bf16-true" else 4
+    return MemoryPlan(
+        recipe=job.recipe,
+        model=type(model).__name__,
+        num_params=num_params,
+        world_size=job.cluster.world_size,
+        mesh=job.cluster.mesh_shape,
+        precision=job.trainer.precision,
+        master_bytes=master,
+        param_bytes=shard_elems * master,
+        grad_bytes=shard_elems * master,
+        optim_bytes=2 * shard_elems * master,
+    )
+
+
+def available_bytes_per_rank(accelerator: str, nproc_per_node: int) -> tuple[int, str]:
+    """Memory one rank of this machine can use, and where that figure comes from."""
+    if accelerator in ("gpu", "auto") and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"GPU memory of {torch.cuda.get_device_name(0)}"
+    import psutil
+
+    available = psutil.virtual_memory().available
+    return available // nproc_per_node, f"available host RAM / {nproc_per_node} ranks per node"
+
+
+def check_fits(plan: MemoryPlan, available: int, source: str) -> None:
+    """Raise MemoryError (with the plan) if the sharded state leaves no room for activations."""
+    if plan.total_bytes <= HEADROOM * available:
+        return
+    raise MemoryError(
+        f"recipe {plan.recipe!r} does not fit this machine: its per-rank state needs "
+        f"{plan.total_bytes / _GIB:.2f} GiB, but a rank here has {available / _GIB:.2f} GiB ({source}) "
+        f"and the state may use at most {HEADROOM:.0%} of it.\n{plan.format()}\n"
+        "Run with dry_run=true to inspect the plan, shard over more ranks (cluster.*), "
+        "or pick a smaller recipe (e.g. recipe=llama3_tiny)."
+    )

@@ -1,0 +1,124 @@
+"""Build the Lightning objects of one rank from a JobConfig, and run ``fit``.
+
+This is what every rank process runs (``ckless_lightning.rank``); users who
+build their own Trainer can call :func:`build_trainer` and friends directly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+from ckless_lightning.callbacks import DataPositionCallback, LossHistoryCallback, StepStatsCallback
+from ckless_lightning.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
+from ckless_lightning.config import JobConfig
+from ckless_lightning.datamodule import TokenDataModule
+from ckless_lightning.module import CausalLMModule
+from ckless_lightning.strategy import CheckpointlessStrategy
+
+__all__ = ["build_datamodule", "build_module", "build_trainer", "fit", "resolve_accelerator"]
+
+
+def resolve_accelerator(name: str) -> str:
+    """``auto`` is ``gpu`` when CUDA is visible, else ``cpu``; ``gpu`` without CUDA is an error."""
+    if name == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if name == "gpu" and not torch.cuda.is_available():
+        raise ValueError(
+            "cluster.accelerator=gpu but no CUDA device is visible; "
+            "use cluster.accelerator=cpu (or cluster=local_cpu) to run on this machine"
+        )
+    return name
+
+
+def _loggers(run_dir: Path) -> list[Logger]:
+    # One version folder per start of the ranks (a resumed run gets the next one);
+    # losses.jsonl holds the whole curve across restarts.
+    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="logs")]
+    try:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard"))
+    except ModuleNotFoundError:  # tensorboard not installed: the CSV log is enough
+        pass
+    return loggers
+
+
+def build_trainer(job: JobConfig, *, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+    """A Trainer for ``job`` on this rank: our strategy, CSV (+ TensorBoard) logs, DCP checkpoints."""
+    run_dir = Path(job.run_dir)
+    all_callbacks: list[pl.Callback] = [
+        DataPositionCallback(),
+        LossHistoryCallback(run_dir / "losses.jsonl"),
+        StepStatsCallback(run_dir / "step_stats"),
+    ]
+    if job.checkpoint.every_n_steps:
+        all_callbacks.append(
+            ModelCheckpoint(
+                dirpath=job.checkpoint.dir,
+                filename="step{step:08d}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=job.checkpoint.every_n_steps,
+                save_top_k=job.checkpoint.keep_last,
+                monitor="step",
+                mode="max",
+                save_last=False,
+                save_on_train_epoch_end=False,
+            )
+        )
+    all_callbacks.extend(callbacks or [])
+    trainer_cfg = job.trainer
+    return pl.Trainer(
+        accelerator=resolve_accelerator(job.cluster.accelerator),
+        devices=job.cluster.nproc_per_node,
+        num_nodes=job.cluster.nnodes,
+        strategy=CheckpointlessStrategy(replicate=job.cluster.replicate, shard=job.cluster.shard),
+        plugins=[TorchElasticEnvironment()],
+        precision=trainer_cfg.precision,
+        max_steps=trainer_cfg.max_steps,
+        accumulate_grad_batches=job.accumulate_grad_batches,
+        gradient_clip_val=trainer_cfg.gradient_clip_val,
+        gradient_clip_algorithm="norm",
+        log_every_n_steps=trainer_cfg.log_every_n_steps,
+        enable_progress_bar=trainer_cfg.enable_progress_bar,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        default_root_dir=run_dir,
+        logger=_loggers(run_dir),
+        callbacks=all_callbacks,
+    )
+
+
+def build_module(job: JobConfig) -> CausalLMModule:
+    return CausalLMModule(
+        job.model, optim=job.optim, fsdp=job.fsdp, seed=job.seed, max_steps=job.trainer.max_steps
+    )
+
+
+def build_datamodule(job: JobConfig) -> TokenDataModule:
+    return TokenDataModule(
+        job.data, accumulate_grad_batches=job.accumulate_grad_batches, max_steps=job.trainer.max_steps
+    )
+
+
+def fit(job: JobConfig) -> pl.Trainer:
+    """Train ``job`` on this rank, resuming per ``checkpoint.resume``; save the final step if asked."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.cluster.nproc_per_node))
+    pl.seed_everything(job.seed, workers=True, verbose=False)
+    ckpt_path = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
+    trainer = build_trainer(job)
+    module = build_module(job)
+    trainer.fit(module, datamodule=build_datamodule(job), ckpt_path=ckpt_path)
+    if job.checkpoint.save_final:
+        final = Path(job.checkpoint.dir) / checkpoint_name(trainer.global_step)
+        if not is_complete_checkpoint(final):
+            trainer.save_checkpoint(final, weights_only=False)
+    return trainer

@@ -1,0 +1,39 @@
+"""Shared fixtures: Hydra composition as launch.py does it, and a tiny-job builder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("CKLESS_PROJECT_ROOT", str(ROOT))
+
+FULL_RECIPES = ["llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b", "mixtral_8x22b"]
+
+
+def compose_config(overrides: list[str], run_dir: Path) -> dict[str, Any]:
+    """Compose conf/config.yaml + recipe + overrides exactly as launch.py does; return it resolved."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=[f"run_dir={run_dir}", *overrides], return_hydra_config=True
+        )
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    return container
+
+
+@pytest.fixture
+def compose(tmp_path: Path):
+    return lambda *overrides: compose_config(list(overrides), tmp_path / "run")

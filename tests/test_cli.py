@@ -1,0 +1,78 @@
+"""launch.py as a user runs it: bad input fails before any rank starts, dry run prints the plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+
+def launch(tmp_path: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    run_dir = tmp_path / "run"
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+
+
+def assert_no_rank_started(tmp_path: Path) -> None:
+    assert not list((tmp_path / "run").glob("rank_logs/rank*.log")), "a rank was started"
+
+
+@pytest.mark.timeout(120)
+def test_unknown_recipe_lists_available(tmp_path):
+    result = launch(tmp_path, "recipe=llama3_7b")
+    assert result.returncode != 0
+    assert "llama3_7b" in result.stderr
+    for name in ("llama3_8b", "llama3_tiny", "mixtral_8x7b", "mixtral_tiny"):
+        assert name in result.stderr
+    assert_no_rank_started(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_mesh_not_dividing_world_fails_before_ranks(tmp_path):
+    result = launch(tmp_path, "cluster.replicate=3")
+    assert result.returncode == 2
+    assert "cluster.replicate=3" in result.stderr and "cluster.nproc_per_node=4" in result.stderr
+    assert_no_rank_started(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_missing_data_path_names_the_path(tmp_path):
+    missing = tmp_path / "no_such_corpus.jsonl"
+    result = launch(tmp_path, f"data.source={missing}")
+    assert result.returncode == 2
+    assert str(missing) in result.stderr and "data.source" in result.stderr
+    assert_no_rank_started(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_recipe_that_does_not_fit_is_refused_with_plan(tmp_path):
+    result = launch(tmp_path, "recipe=llama3_70b", "trainer.max_steps=10", "data.seq_len=512")
+    assert result.returncode == 3
+    assert "70.55B" in result.stderr and "dry_run=true" in result.stderr
+    assert_no_rank_started(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_prints_plan_and_exits_zero(tmp_path):
+    result = launch(tmp_path, "recipe=mixtral_8x22b", "dry_run=true")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "140.63B" in out and "world size:   128" in out and "replicate=1 x shard=128" in out
+    assert "optimizer state" in out and "torchrun" in out
+    assert (tmp_path / "run" / "config.yaml").exists()
+    assert_no_rank_started(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_cfg_job_prints_composed_config(tmp_path):
+    result = launch(tmp_path, "recipe=llama3_70b_long", "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    assert "seq_len: 16384" in result.stdout and "dim: 8192" in result.stdout

@@ -1,0 +1,87 @@
+"""Config composition and validation: recipes, extension, mesh and batch checks, memory plan."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FULL_RECIPES
+
+from ckless_lightning.config import job_config_from_dict
+from ckless_lightning.plan import check_fits, plan_job
+
+EXPECTED_BILLIONS = {
+    "llama3_8b": 8.03,
+    "llama3_70b": 70.55,
+    "llama3_405b": 405.85,
+    "mixtral_8x7b": 46.70,
+    "mixtral_8x22b": 140.63,
+}
+
+
+@pytest.mark.parametrize("recipe", FULL_RECIPES)
+def test_full_recipe_parameter_counts_on_meta(compose, recipe):
+    job = job_config_from_dict(compose(f"recipe={recipe}"))
+    plan = plan_job(job)
+    assert round(plan.num_params / 1e9, 2) == EXPECTED_BILLIONS[recipe]
+    assert plan.num_params == job.model.num_params()
+    # fp32 master weights + grads + two AdamW moments, sharded over the replica's ranks
+    replicate, shard = job.cluster.mesh_shape
+    assert replicate * shard == job.cluster.world_size
+    assert plan.total_bytes == pytest.approx(16 * plan.num_params / shard, rel=0.01)
+
+
+@pytest.mark.parametrize("recipe", ["llama3_tiny", "mixtral_tiny"])
+def test_tiny_recipes_fit_and_shapes(compose, recipe):
+    job = job_config_from_dict(compose(f"recipe={recipe}"))
+    assert job.cluster.world_size == 4 and job.cluster.accelerator == "cpu"
+    assert job.model.dim == 128 and job.model.vocab_size == 256
+    plan = plan_job(job)
+    check_fits(plan, available=1 << 30, source="test")  # well under 1 GiB per rank
+    assert job.accumulate_grad_batches == 1
+
+
+def test_extension_recipe_changes_only_sequence_length(compose):
+    base = compose("recipe=llama3_70b")
+    long = compose("recipe=llama3_70b_long")
+    assert long["data"]["seq_len"] == 16384 and long["model"]["max_seq_len"] == 16384
+    for cfg in (base, long):
+        cfg["data"].pop("seq_len")
+        cfg["model"].pop("max_seq_len")
+        cfg.pop("recipe")
+    assert base == long
+
+
+def test_command_line_overrides_reach_the_job(compose):
+    job = job_config_from_dict(compose("recipe=llama3_70b", "trainer.max_steps=10", "data.seq_len=512"))
+    assert job.trainer.max_steps == 10 and job.data.seq_len == 512 and job.recipe == "llama3_70b"
+
+
+def test_mesh_that_does_not_divide_world_names_keys(compose):
+    with pytest.raises(ValueError, match=r"cluster\.replicate=3.*world size 4"):
+        job_config_from_dict(compose("cluster.replicate=3"))
+    with pytest.raises(ValueError, match=r"cluster\.replicate=2 x cluster\.shard=3"):
+        job_config_from_dict(compose("cluster.replicate=2", "cluster.shard=3"))
+
+
+def test_batch_size_must_divide(compose):
+    with pytest.raises(ValueError, match=r"trainer\.global_batch_size=18.*data\.micro_batch_size=4"):
+        job_config_from_dict(compose("trainer.global_batch_size=18"))
+
+
+def test_unknown_key_in_a_recipe_section_is_named(compose):
+    cfg = compose()
+    cfg["data"]["seqlen"] = 5
+    with pytest.raises(ValueError, match=r"data\.seqlen"):
+        job_config_from_dict(cfg)
+    cfg = compose()
+    cfg["model"]["hidden"] = 5
+    with pytest.raises(ValueError, match=r"model\.hidden"):
+        job_config_from_dict(cfg)
+
+
+def test_big_recipe_refused_with_its_plan(compose):
+    job = job_config_from_dict(compose("recipe=llama3_70b"))
+    plan = plan_job(job)
+    with pytest.raises(MemoryError) as err:
+        check_fits(plan, available=24 << 30, source="test machine")
+    message = str(err.value)
+    assert "70.55B" in message and "dry_run=true" in message and "replicate=1 x shard=64" in message

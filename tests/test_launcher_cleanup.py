@@ -1,0 +1,71 @@
+"""Nothing of a job outlives launch.py: SIGTERM stops every rank; SIGKILL of the launcher kills them too."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT
+
+
+def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[psutil.Process]]:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            f"hydra.run.dir={run_dir}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.max_source_bytes=500000",
+            "trainer.max_steps=100000",
+            "trainer.enable_progress_bar=false",
+            "checkpoint.every_n_steps=0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    losses = run_dir / "losses.jsonl"
+    deadline = time.monotonic() + 120
+    while not (losses.exists() and losses.read_text().strip()):
+        assert proc.poll() is None, f"launch.py exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "training did not start within 120 s"
+        time.sleep(0.5)
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    assert len(ranks) >= 4
+    return proc, ranks
+
+
+def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        p.kill()
+    assert not alive, f"left running: {[p.pid for p in alive]}"
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_stops_every_rank(tmp_path):
+    proc, ranks = start_long_run(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert_all_gone(ranks)
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(240)
+def test_killed_launcher_takes_its_ranks_along(tmp_path):
+    proc, ranks = start_long_run(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(timeout=30)
+        assert_all_gone(ranks)
+    finally:
+        for p in ranks:
+            if p.is_running():
+                p.kill()

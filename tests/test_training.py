@@ -1,0 +1,74 @@
+"""End to end on 4 CPU ranks through launch.py: determinism and checkpoint-resume, compared bitwise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoint_utils import assert_bitwise_equal, load_full_checkpoint
+from conftest import ROOT
+
+from ckless_lightning.callbacks import read_losses
+from ckless_lightning.checkpointing import checkpoint_name, latest_checkpoint
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            f"hydra.run.dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "data.max_source_bytes=2000000",
+            "trainer.enable_progress_bar=false",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    return result
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("recipe", ["llama3_tiny"])
+def test_two_identical_runs_are_bitwise_equal(tmp_path, data_cache, recipe):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        train(run, data_cache, f"recipe={recipe}", "trainer.max_steps=6", "checkpoint.every_n_steps=0")
+    losses = [read_losses(run / "losses.jsonl") for run in runs]
+    assert sorted(losses[0]) == list(range(1, 7))
+    assert losses[0] == losses[1]
+    finals = [load_full_checkpoint(run / "checkpoints" / checkpoint_name(6), tmp_path) for run in runs]
+    assert finals[0]["state_dict"], "no weights in the checkpoint"
+    assert finals[0]["optimizer_0"]["state"], "no optimizer state in the checkpoint"
+    assert assert_bitwise_equal(finals[0], finals[1]) > 800_000
+
+
+@pytest.mark.timeout(600)
+def test_resume_from_step_10_equals_uninterrupted_20_steps(tmp_path, data_cache):
+    common = ("trainer.max_steps=20", "checkpoint.every_n_steps=10")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(whole, data_cache, *common)
+    # Stop at step 10 on the 20-step schedule, then resume the same run directory.
+    train(split, data_cache, "trainer.max_steps=10", "optim.decay_steps=20", "checkpoint.every_n_steps=10")
+    assert latest_checkpoint(split / "checkpoints") == split / "checkpoints" / checkpoint_name(10)
+    resumed = train(split, data_cache, *common)
+    assert "resuming from" in resumed.stdout and checkpoint_name(10) in resumed.stdout
+
+    whole_losses, split_losses = read_losses(whole / "losses.jsonl"), read_losses(split / "losses.jsonl")
+    assert sorted(split_losses) == list(range(1, 21))
+    assert split_losses == whole_losses
+    a = load_full_checkpoint(whole / "checkpoints" / checkpoint_name(20), tmp_path)
+    b = load_full_checkpoint(split / "checkpoints" / checkpoint_name(20), tmp_path)
+    assert_bitwise_equal(a, b)
