@@ -1,16 +1,15 @@
 """What ``launch.py`` does with a composed config: validate, plan, prepare data, start ranks, report.
 
-Every check that can fail runs here, before any rank starts. Exit codes:
-0 done; 2 bad config or data (the message names the key or the file);
-3 the recipe does not fit this machine; 130/143 interrupted; otherwise the
-first failing rank's exit code (128 + signal if it was killed).
+Every check that can fail runs here, before any rank starts; then this
+node's agent supervises the ranks. Exit codes: 0 done; 2 bad config or data
+(the message names the key or the file); 3 the recipe does not fit this
+machine; 75 the fault budget is spent (requeue); 130/143 interrupted.
 """
 
 from __future__ import annotations
 
 import shlex
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,6 @@ __all__ = ["EXIT_CONFIG", "EXIT_DOES_NOT_FIT", "run_job"]
 
 EXIT_CONFIG = 2
 EXIT_DOES_NOT_FIT = 3
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _error(kind: str, err: BaseException) -> None:
@@ -45,7 +38,9 @@ def run_job(cfg: DictConfig) -> int:
 
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
+    # Nodes of one job may share the run directory: node 0 owns config.yaml.
+    node = job.cluster.node_rank
+    config_path = run_dir / ("config.yaml" if node == 0 else f"config.node{node}.yaml")
     OmegaConf.save(OmegaConf.create(container), config_path)
 
     from ckless_lightning.plan import available_bytes_per_rank, check_fits, plan_job
@@ -70,7 +65,7 @@ def run_job(cfg: DictConfig) -> int:
 
     from ckless_lightning.checkpointing import resolve_resume
     from ckless_lightning.data import prepare_dataset
-    from ckless_lightning.training import resolve_accelerator
+    from ckless_lightning.plan import resolve_accelerator
 
     try:
         resolve_accelerator(job.cluster.accelerator)
@@ -90,63 +85,35 @@ def run_job(cfg: DictConfig) -> int:
     print(plan.format())
     print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
     print(f"resuming from {resume}" if resume else "starting from step 0")
-    code = _run_ranks(job, config_path)
+    code = _run_agent(job, config_path)
     _report(job, run_dir, code)
     return code
 
 
-def _run_ranks(job: Any, config_path: Path) -> int:
-    from ckless_lightning.agent.local import RankGroup, RankSpec
-
-    cluster = job.cluster
-    port = cluster.master_port or _free_port()
-    specs = [
-        RankSpec(
-            global_rank=cluster.node_rank * cluster.nproc_per_node + local,
-            local_rank=local,
-            world_size=cluster.world_size,
-            local_world_size=cluster.nproc_per_node,
-            node_rank=cluster.node_rank,
-            master_addr=cluster.master_addr,
-            master_port=port,
-        )
-        for local in range(cluster.nproc_per_node)
-    ]
-    group = RankGroup(
-        [sys.executable, "-m", "ckless_lightning.rank", "--config", str(config_path)],
-        specs,
-        Path(job.run_dir) / "rank_logs",
-    )
+def _run_agent(job: Any, config_path: Path) -> int:
+    from ckless_lightning.agent.node_agent import NodeAgent
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(signum)
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        group.start()
-        code = group.wait()
-    except KeyboardInterrupt as interrupt:
-        group.stop()
-        signum = interrupt.args[0] if interrupt.args else signal.SIGINT
-        print(f"interrupted: stopped all {len(specs)} ranks", file=sys.stderr)
-        return 128 + int(signum)
+        return NodeAgent(job, config_path).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if code:
-        rank = group.failed_rank
-        print(
-            f"rank {rank} failed with exit code {code}; all ranks stopped. Last lines of its log:",
-            file=sys.stderr,
-        )
-        print(group.log_tail(rank if rank is not None else 0), file=sys.stderr)
-    return code
 
 
 def _report(job: Any, run_dir: Path, code: int) -> None:
-    from ckless_lightning.callbacks.loss_history import read_losses
+    from ckless_lightning.events import read_events
+    from ckless_lightning.loss_log import read_loss_records, read_losses
+    from ckless_lightning.summary import summarize
 
     losses = read_losses(run_dir / "losses.jsonl")
+    events_path = run_dir / "events.jsonl"
     print()
+    if job.cluster.node_rank == 0 and events_path.exists():
+        print(summarize(read_events(events_path), read_loss_records(run_dir / "losses.jsonl")).format())
+        print()
     print("done" if code == 0 else f"failed (exit code {code})")
     if losses:
         first, last = min(losses), max(losses)
@@ -154,6 +121,7 @@ def _report(job: Any, run_dir: Path, code: int) -> None:
     print(f"run dir:      {run_dir}")
     print(f"config:       {run_dir / 'config.yaml'}")
     print(f"losses:       {run_dir / 'losses.jsonl'}")
+    print(f"events:       {events_path}")
     print(f"metrics:      {run_dir / 'logs'}/version_<N>/metrics.csv")
     print(f"rank logs:    {run_dir / 'rank_logs'}/rank<N>.log")
     print(f"checkpoints:  {job.checkpoint.dir}")

@@ -13,14 +13,17 @@ config checks stay cheap. The model section is instantiated with Hydra
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckless_lightning.data.config import DataConfig
+from ckless_lightning.faults import FaultConfig
 
 __all__ = [
+    "AgentConfig",
     "CheckpointConfig",
     "ClusterConfig",
+    "CommConfig",
     "JobConfig",
     "OptimConfig",
     "TrainerConfig",
@@ -179,6 +182,71 @@ class CheckpointConfig:
 
 
 @dataclass
+class AgentConfig:
+    """The per-node agent: warm spares, failure detection and the restart budget.
+
+    A rank is declared hung when it sends no heartbeat for ``hang_timeout``
+    seconds once it has completed a step, or for ``startup_timeout`` seconds
+    before its first step (imports, rendezvous, model build and restore).
+    More than ``max_restarts`` restarts within ``restart_window_s`` spends the
+    fault budget: the agents stop the job and exit with code 75 (EX_TEMPFAIL),
+    for Slurm or Kubernetes to requeue it.
+    """
+
+    spares: int = 0
+    hang_timeout: float = 60.0
+    startup_timeout: float = 600.0
+    node_timeout: float = 30.0
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
+    monitor_interval: float = 0.1
+    stop_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.spares < 0:
+            raise ValueError(f"agent.spares must be >= 0, got {self.spares}")
+        if self.max_restarts < 0:
+            raise ValueError(f"agent.max_restarts must be >= 0, got {self.max_restarts}")
+        for key in (
+            "hang_timeout",
+            "startup_timeout",
+            "node_timeout",
+            "restart_window_s",
+            "monitor_interval",
+        ):
+            if getattr(self, key) <= 0:
+                raise ValueError(
+                    f"agent.{key} must be a positive number of seconds, got {getattr(self, key)}"
+                )
+        if self.stop_grace_s < 0:
+            raise ValueError(f"agent.stop_grace_s must be >= 0 seconds, got {self.stop_grace_s}")
+
+
+@dataclass
+class CommConfig:
+    """How ranks form their process groups.
+
+    ``rootless`` (tier 1): the job store lives in node 0's agent, not in rank 0;
+    each generation creates its groups under its own store prefix, so a
+    restarted rank joins the running store directly and no rank is the root.
+    Off (tier 0): rank 0 hosts the rendezvous store on a fresh port per
+    generation, as torchrun's workers do.
+    """
+
+    rootless: bool = False
+    pg_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.pg_timeout_s <= 0:
+            raise ValueError(
+                f"comm.pg_timeout_s must be a positive number of seconds, got {self.pg_timeout_s}"
+            )
+
+
+AVAILABLE_TIERS = (0, 1)
+
+
+@dataclass
 class JobConfig:
     """The whole job, validated. Built by :func:`job_config_from_dict`."""
 
@@ -191,10 +259,27 @@ class JobConfig:
     cluster: ClusterConfig
     checkpoint: CheckpointConfig
     run_dir: str
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    tier: int = 0
     seed: int = 1234
     dry_run: bool = False
 
     def __post_init__(self) -> None:
+        if self.tier not in range(5):
+            raise ValueError(f"tier must be 0..4, got {self.tier}")
+        if self.tier not in AVAILABLE_TIERS:
+            raise ValueError(
+                f"tier={self.tier} is not available yet (available: {', '.join(map(str, AVAILABLE_TIERS))}); "
+                "tier 2 (mmap data), 3 (in-process recovery) and 4 (checkpointless) come with their issues"
+            )
+        self.fault.validate_against(
+            world_size=self.cluster.world_size,
+            nnodes=self.cluster.nnodes,
+            nproc_per_node=self.cluster.nproc_per_node,
+            max_steps=self.trainer.max_steps,
+        )
         per_step = self.data.micro_batch_size * self.cluster.world_size
         if self.trainer.global_batch_size % per_step:
             raise ValueError(
@@ -249,10 +334,7 @@ def _instantiate_model(values: dict[str, Any]) -> Any:
 
 
 def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
-    """Validate a resolved config (``OmegaConf.to_container(cfg, resolve=True)``) into a JobConfig.
-
-    Keys that later tiers own (``tier``, ``fault``, ``hydra``) are ignored here.
-    """
+    """Validate a resolved config (``OmegaConf.to_container(cfg, resolve=True)``) into a JobConfig."""
     from ckless_lightning.models import FSDPConfig
 
     known_top = {
@@ -269,6 +351,8 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "dry_run",
         "tier",
         "fault",
+        "agent",
+        "comm",
     }
     unknown = sorted(set(cfg) - known_top)
     if unknown:
@@ -287,6 +371,10 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         cluster=build_section(ClusterConfig, cfg.get("cluster"), "cluster"),
         checkpoint=build_section(CheckpointConfig, cfg.get("checkpoint"), "checkpoint"),
         run_dir=str(cfg.get("run_dir", ".")),
+        agent=build_section(AgentConfig, cfg.get("agent"), "agent"),
+        comm=build_section(CommConfig, cfg.get("comm"), "comm"),
+        fault=build_section(FaultConfig, cfg.get("fault"), "fault"),
+        tier=int(cfg.get("tier", 0)),
         seed=int(cfg.get("seed", 1234)),
         dry_run=bool(cfg.get("dry_run", False)),
     )

@@ -18,7 +18,14 @@ import torch
 
 from ckless_lightning.config import JobConfig
 
-__all__ = ["HEADROOM", "MemoryPlan", "available_bytes_per_rank", "check_fits", "plan_job"]
+__all__ = [
+    "HEADROOM",
+    "MemoryPlan",
+    "available_bytes_per_rank",
+    "check_fits",
+    "plan_job",
+    "resolve_accelerator",
+]
 
 # The sharded state may use at most this share of a rank's memory; the rest is
 # for activations, all-gathered blocks, communication buffers and the runtime.
@@ -97,6 +104,18 @@ def plan_job(job: JobConfig) -> MemoryPlan:
         grad_bytes=shard_elems * master,
         optim_bytes=2 * shard_elems * master,
     )
+
+
+def resolve_accelerator(name: str) -> str:
+    """``auto`` is ``gpu`` when CUDA is visible, else ``cpu``; ``gpu`` without CUDA is an error."""
+    if name == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if name == "gpu" and not torch.cuda.is_available():
+        raise ValueError(
+            "cluster.accelerator=gpu but no CUDA device is visible; "
+            "use cluster.accelerator=cpu (or cluster=local_cpu) to run on this machine"
+        )
+    return name
 
 
 def available_bytes_per_rank(accelerator: str, nproc_per_node: int) -> tuple[int, str]:

@@ -1,9 +1,11 @@
 """Rank entry point: ``python -m ckless_lightning.rank --config RUN_DIR/config.yaml``.
 
-Started by ``launch.py`` (one process per rank) or, unchanged, by ``torchrun``:
-Lightning's TorchElasticEnvironment reads RANK, LOCAL_RANK, WORLD_SIZE,
-GROUP_RANK, MASTER_ADDR and MASTER_PORT. The config is the resolved YAML that
-``launch.py`` writes into the run directory (also with ``dry_run=true``).
+Started by the node agent (``launch.py``), by a warm spare, or unchanged by
+``torchrun``: Lightning's TorchElasticEnvironment reads RANK, LOCAL_RANK,
+WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT. The config is the
+resolved YAML that ``launch.py`` writes into the run directory (also with
+``dry_run=true``). This module is an edge: it reads the agent's variables
+(CKLESS_*) here and hands them on as a :class:`RankContext`.
 """
 
 from __future__ import annotations
@@ -13,16 +15,31 @@ import ctypes
 import os
 import signal
 import sys
+import time
+from dataclasses import dataclass
 
-__all__ = ["main"]
+__all__ = ["EXIT_PEER_FAILED", "RankContext", "die_with_launcher", "main"]
 
 _PR_SET_PDEATHSIG = 1
+# Exit code of a rank whose collective failed because a peer went away: the agent
+# then blames the peer (killed, hung or raising) rather than this rank.
+EXIT_PEER_FAILED = 3
+_PEER_FAILURE_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _die_with_launcher() -> None:
-    """When started by launch.py, get SIGKILL if the launcher dies, so no rank outlives its job.
+def is_peer_failure(err: BaseException) -> bool:
+    """A communication error caused by another rank disappearing, not by this rank's own code."""
+    import torch.distributed as dist
 
-    The launcher passes its pid in CKLESS_LAUNCHER_PID; if it is already gone
+    if isinstance(err, (dist.DistNetworkError, dist.DistBackendError)):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in _PEER_FAILURE_MESSAGES)
+
+
+def die_with_launcher() -> None:
+    """When started by the agent, get SIGKILL if the agent dies, so no rank outlives its job.
+
+    The agent passes its pid in CKLESS_LAUNCHER_PID; if it is already gone
     (we were reparented before prctl ran), exit at once.
     """
     launcher = os.environ.get("CKLESS_LAUNCHER_PID")
@@ -32,14 +49,42 @@ def _die_with_launcher() -> None:
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != int(launcher):
-        sys.exit("launch.py exited before this rank started")
+        sys.exit("the agent exited before this rank started")
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What the agent tells a rank beyond torchrun's variables."""
+
+    rank: int
+    generation: int
+    spawn_time: float
+    store_addr: str | None = None  # the agent's job store (heartbeats; tier 1 process groups)
+    store_port: int | None = None
+    agent_pid: int | None = None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> RankContext:
+        # Under torchrun, TORCHELASTIC_RESTART_COUNT numbers its restarts like our generations.
+        generation = env.get("CKLESS_GENERATION", env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        store_port = env.get("CKLESS_STORE_PORT")
+        agent_pid = env.get("CKLESS_LAUNCHER_PID")
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            generation=int(generation),
+            spawn_time=float(env.get("CKLESS_SPAWN_TIME", time.time())),
+            store_addr=env.get("CKLESS_STORE_ADDR"),
+            store_port=int(store_port) if store_port else None,
+            agent_pid=int(agent_pid) if agent_pid else None,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckless_lightning.rank", description=__doc__)
     parser.add_argument("--config", required=True, help="resolved job config written by launch.py")
     args = parser.parse_args(argv)
-    _die_with_launcher()
+    die_with_launcher()
+    context = RankContext.from_env(dict(os.environ))
 
     from omegaconf import OmegaConf
 
@@ -48,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
 
     container = OmegaConf.to_container(OmegaConf.load(args.config), resolve=True)
     assert isinstance(container, dict)
-    fit(job_config_from_dict(container))
+    try:
+        fit(job_config_from_dict(container), context)
+    except Exception as err:
+        if not is_peer_failure(err):
+            raise
+        print(f"rank {context.rank}: a peer went away ({type(err).__name__}: {err})", file=sys.stderr)
+        return EXIT_PEER_FAILED
     return 0
 
 

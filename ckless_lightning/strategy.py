@@ -10,15 +10,18 @@ in-memory state enters Lightning's restore path (``load_checkpoint``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed import Store
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from typing_extensions import override
 
 from ckless_lightning._lightning_compat import init_distributed, install_device_mesh
+from ckless_lightning.comm import init_generation_process_group
 
 __all__ = ["MESH_DIM_NAMES", "CheckpointlessStrategy"]
 
@@ -33,6 +36,10 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         shard: ranks each replica is sharded over; ``-1`` derives it from the world size.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
         timeout: collective timeout of the default process group.
+        job_store: the agent's store (tier 1): the process group is formed on it under
+            the ``generation``'s prefix instead of through rank 0's rendezvous.
+        generation: the job's generation this process belongs to.
+        on_comm_phase: called with "comm_init_start" / "comm_init_done" (the timeline).
     """
 
     def __init__(
@@ -41,6 +48,10 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         shard: int = -1,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        *,
+        job_store: Store | None = None,
+        generation: int = 0,
+        on_comm_phase: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -53,6 +64,9 @@ class CheckpointlessStrategy(ModelParallelStrategy):
             raise ValueError(f"replicate must be >= 1 and shard >= 1 or -1, got ({replicate}, {shard})")
         self._replicate = replicate
         self._shard = shard
+        self._job_store = job_store
+        self._generation = generation
+        self._on_comm_phase = on_comm_phase or (lambda phase: None)
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -76,7 +90,20 @@ class CheckpointlessStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        init_distributed(self)
+        self._on_comm_phase("comm_init_start")
+        if self._job_store is not None:
+            assert self.cluster_environment is not None
+            init_generation_process_group(
+                self._job_store,
+                backend=self._process_group_backend
+                or ("nccl" if self.root_device.type == "cuda" else "gloo"),
+                rank=self.cluster_environment.global_rank(),
+                world_size=self.cluster_environment.world_size(),
+                generation=self._generation,
+                timeout_s=self._timeout.total_seconds() if self._timeout else 600.0,
+            )
+        init_distributed(self)  # Lightning's own init is skipped when the group exists already
+        self._on_comm_phase("comm_init_done")
         replicate, shard = self.mesh_shape
         if replicate * shard != self.world_size:
             raise ValueError(

@@ -7,6 +7,7 @@ build their own Trainer can call :func:`build_trainer` and friends directly.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -16,25 +17,21 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from ckless_lightning.callbacks import DataPositionCallback, LossHistoryCallback, StepStatsCallback
+from ckless_lightning.callbacks.fault_injection import FaultInjectionCallback
+from ckless_lightning.callbacks.heartbeat import HeartbeatCallback
+from ckless_lightning.callbacks.timeline import TimelineCallback
 from ckless_lightning.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
+from ckless_lightning.comm import JobStore, connect_store
 from ckless_lightning.config import JobConfig
 from ckless_lightning.datamodule import TokenDataModule
+from ckless_lightning.events import EventLog
+from ckless_lightning.faults import FaultSpec, plan_faults
 from ckless_lightning.module import CausalLMModule
+from ckless_lightning.plan import resolve_accelerator
+from ckless_lightning.rank import RankContext
 from ckless_lightning.strategy import CheckpointlessStrategy
 
-__all__ = ["build_datamodule", "build_module", "build_trainer", "fit", "resolve_accelerator"]
-
-
-def resolve_accelerator(name: str) -> str:
-    """``auto`` is ``gpu`` when CUDA is visible, else ``cpu``; ``gpu`` without CUDA is an error."""
-    if name == "auto":
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    if name == "gpu" and not torch.cuda.is_available():
-        raise ValueError(
-            "cluster.accelerator=gpu but no CUDA device is visible; "
-            "use cluster.accelerator=cpu (or cluster=local_cpu) to run on this machine"
-        )
-    return name
+__all__ = ["build_datamodule", "build_module", "build_trainer", "fault_specs", "fit"]
 
 
 def _loggers(run_dir: Path) -> list[Logger]:
@@ -50,7 +47,12 @@ def _loggers(run_dir: Path) -> list[Logger]:
     return loggers
 
 
-def build_trainer(job: JobConfig, *, callbacks: list[pl.Callback] | None = None) -> pl.Trainer:
+def build_trainer(
+    job: JobConfig,
+    *,
+    callbacks: list[pl.Callback] | None = None,
+    strategy: CheckpointlessStrategy | None = None,
+) -> pl.Trainer:
     """A Trainer for ``job`` on this rank: our strategy, CSV (+ TensorBoard) logs, DCP checkpoints."""
     run_dir = Path(job.run_dir)
     all_callbacks: list[pl.Callback] = [
@@ -78,7 +80,7 @@ def build_trainer(job: JobConfig, *, callbacks: list[pl.Callback] | None = None)
         accelerator=resolve_accelerator(job.cluster.accelerator),
         devices=job.cluster.nproc_per_node,
         num_nodes=job.cluster.nnodes,
-        strategy=CheckpointlessStrategy(replicate=job.cluster.replicate, shard=job.cluster.shard),
+        strategy=strategy or CheckpointlessStrategy(replicate=job.cluster.replicate, shard=job.cluster.shard),
         plugins=[TorchElasticEnvironment()],
         precision=trainer_cfg.precision,
         max_steps=trainer_cfg.max_steps,
@@ -109,12 +111,74 @@ def build_datamodule(job: JobConfig) -> TokenDataModule:
     )
 
 
-def fit(job: JobConfig) -> pl.Trainer:
-    """Train ``job`` on this rank, resuming per ``checkpoint.resume``; save the final step if asked."""
+def fault_specs(job: JobConfig) -> list[FaultSpec]:
+    return plan_faults(
+        job.fault,
+        world_size=job.cluster.world_size,
+        nnodes=job.cluster.nnodes,
+        nproc_per_node=job.cluster.nproc_per_node,
+        max_steps=job.trainer.max_steps,
+    )
+
+
+def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
+    """Train ``job`` on this rank, resuming per ``checkpoint.resume``; save the final step if asked.
+
+    ``context`` comes from the agent (heartbeats, generation, tier 1 store);
+    without one (torchrun, a notebook) the rank runs on Lightning's own init.
+    """
+    context = context or RankContext(rank=int(os.environ.get("RANK", "0")), generation=0, spawn_time=0.0)
+    run_dir = Path(job.run_dir)
+    events = EventLog(run_dir / "events.jsonl", source=f"rank{context.rank}")
+
+    def phase(name: str, **fields: object) -> None:
+        events.emit("rank_phase", rank=context.rank, gen=context.generation, phase=name, **fields)
+
+    if context.spawn_time:
+        phase("process_start", step=None, t=context.spawn_time)
+    phase("imports_done", step=None)
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.cluster.nproc_per_node))
     pl.seed_everything(job.seed, workers=True, verbose=False)
     ckpt_path = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
-    trainer = build_trainer(job)
+
+    callbacks: list[pl.Callback] = [
+        TimelineCallback(events, rank=context.rank, generation=context.generation)
+    ]
+    job_store = None
+    if context.store_addr is not None and context.store_port is not None:
+        job_store = connect_store(context.store_addr, context.store_port, is_master=False)
+        callbacks.append(
+            HeartbeatCallback(JobStore(job_store), rank=context.rank, generation=context.generation)
+        )
+    specs = fault_specs(job)
+    if specs:
+        callbacks.append(
+            FaultInjectionCallback(
+                specs,
+                rank=context.rank,
+                marker_dir=run_dir / "faults",
+                on_inject=lambda spec: events.emit(
+                    "fault_injected",
+                    rank=spec.rank,
+                    step=spec.step,
+                    phase=spec.phase,
+                    fault_type=spec.fault_type,
+                    injected_by="inside",
+                    gen=context.generation,
+                ),
+                node_agent_pid=context.agent_pid,
+            )
+        )
+    strategy = CheckpointlessStrategy(
+        replicate=job.cluster.replicate,
+        shard=job.cluster.shard,
+        timeout=timedelta(seconds=job.comm.pg_timeout_s),
+        job_store=job_store if job.comm.rootless else None,
+        generation=context.generation,
+        on_comm_phase=lambda name: phase(name, step=None),
+    )
+    trainer = build_trainer(job, callbacks=callbacks, strategy=strategy)
     module = build_module(job)
     trainer.fit(module, datamodule=build_datamodule(job), ckpt_path=ckpt_path)
     if job.checkpoint.save_final:

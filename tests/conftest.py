@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,38 @@ def compose_config(overrides: list[str], run_dir: Path) -> dict[str, Any]:
 @pytest.fixture
 def compose(tmp_path: Path):
     return lambda *overrides: compose_config(list(overrides), tmp_path / "run")
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One packed-data cache for the session's launch.py runs (a cache hit after the first)."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def launch_job(
+    run_dir: Path, data_cache: Path, *overrides: str, expect: int | None = 0, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python launch.py`` as a user runs it, on a 2 MB slice of the built-in corpus, no progress bar.
+
+    Asserts the exit code when ``expect`` is not None. ``subprocess.run`` kills
+    launch.py on timeout, and its ranks die with it (PR_SET_PDEATHSIG).
+    """
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            f"hydra.run.dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "data.max_source_bytes=2000000",
+            "trainer.enable_progress_bar=false",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if expect is not None:
+        assert result.returncode == expect, (
+            f"exit {result.returncode}, expected {expect}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
+    return result

@@ -2,42 +2,18 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from checkpoint_utils import assert_bitwise_equal, load_full_checkpoint
-from conftest import ROOT
+from conftest import launch_job
 
-from ckless_lightning.callbacks import read_losses
 from ckless_lightning.checkpointing import checkpoint_name, latest_checkpoint
+from ckless_lightning.loss_log import read_losses
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data_cache")
-
-
-def train(run_dir: Path, data_cache: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            f"hydra.run.dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "data.max_source_bytes=2000000",
-            "trainer.enable_progress_bar=false",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, (
-        f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    )
-    return result
+def train(run_dir: Path, data_cache: Path, *overrides: str):
+    return launch_job(run_dir, data_cache, *overrides)
 
 
 @pytest.mark.timeout(400)

@@ -3,12 +3,13 @@
 The loss of a step is the data-parallel mean of its micro-batches' language-model
 losses (same value on every rank, reduced in a fixed order, so two runs can be
 compared bitwise). ``losses.jsonl`` survives restarts: a resumed run appends,
-and the last record of a step wins (:func:`read_losses`).
+and the last record of a step wins (:func:`ckless_lightning.loss_log.read_losses`).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +17,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-__all__ = ["LossHistoryCallback", "read_losses"]
-
-
-def read_losses(path: str | Path) -> dict[int, float]:
-    """{step: loss} from a ``losses.jsonl``; a step recorded twice (after a restart) keeps the last."""
-    losses: dict[int, float] = {}
-    path = Path(path)
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                losses[int(record["step"])] = float(record["loss"])
-    return losses
+__all__ = ["LossHistoryCallback"]
 
 
 class LossHistoryCallback(pl.Callback):
@@ -55,4 +44,5 @@ class LossHistoryCallback(pl.Callback):
         if trainer.is_global_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
-                f.write(json.dumps({"step": trainer.global_step, "loss": step_loss.item()}) + "\n")
+                record = {"step": trainer.global_step, "loss": step_loss.item(), "t": time.time()}
+                f.write(json.dumps(record) + "\n")

@@ -1,0 +1,174 @@
+"""Rank and spare processes of one node: start (cold or from a warm spare), stream output, stop.
+
+Every process runs in its own session, so a stop reaches whatever it started,
+and carries ``CKLESS_LAUNCHER_PID`` so that it dies with the agent
+(PR_SET_PDEATHSIG, see ``ckless_lightning.rank``). Rank 0's output goes to this
+console and to ``rank_logs/rank0.log``; the others' to ``rank_logs/rank<N>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+__all__ = ["RankProcess", "RankSpec", "SparePool", "signal_session"]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process is told: its place in the job and where the job's stores are."""
+
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int  # tier 0: rank 0's rendezvous port; tier 1: unused by the process group
+    generation: int
+    store_addr: str
+    store_port: int
+
+    def env(self) -> dict[str, str]:
+        # The variables torchrun sets (Lightning's TorchElasticEnvironment reads them), plus ours.
+        return {
+            "RANK": str(self.global_rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "CKLESS_GENERATION": str(self.generation),
+            "CKLESS_STORE_ADDR": self.store_addr,
+            "CKLESS_STORE_PORT": str(self.store_port),
+        }
+
+
+def signal_session(pid: int, sig: signal.Signals) -> None:
+    """Signal the session (process group) that ``pid`` leads; gone already is fine."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return
+
+
+def _base_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "CKLESS_LAUNCHER_PID": str(os.getpid())}
+
+
+class RankProcess:
+    """One rank's process: ``spawn`` a cold one, or ``adopt`` a warm spare and assign it the rank."""
+
+    def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], log_dir: Path, *, warm: bool) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.warm = warm
+        self.started_at = time.time()
+        self.log_path = Path(log_dir) / f"rank{spec.global_rank}.log"
+        self._pump = threading.Thread(target=self._copy_output, daemon=True)
+        self._pump.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    def spawn(cls, spec: RankSpec, command: list[str], log_dir: Path) -> RankProcess:
+        env = {**_base_env(), **spec.env(), "CKLESS_SPAWN_TIME": f"{time.time():.6f}"}
+        proc = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return cls(spec, proc, log_dir, warm=False)
+
+    @classmethod
+    def adopt(
+        cls, spec: RankSpec, spare: subprocess.Popen[bytes], argv: list[str], log_dir: Path
+    ) -> RankProcess:
+        assert spare.stdin is not None
+        assignment = {"env": {**spec.env(), "CKLESS_SPAWN_TIME": f"{time.time():.6f}"}, "argv": argv}
+        spare.stdin.write((json.dumps(assignment) + "\n").encode())
+        spare.stdin.close()
+        return cls(spec, spare, log_dir, warm=True)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        signal_session(self.pid, signal.SIGKILL)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``; reap; also kill anything left in its session."""
+        if self.proc.poll() is None:
+            signal_session(self.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+            try:
+                self.proc.wait(timeout=grace_s if grace_s > 0 else None)
+            except subprocess.TimeoutExpired:
+                signal_session(self.pid, signal.SIGKILL)
+                self.proc.wait()
+        signal_session(self.pid, signal.SIGKILL)
+        self._pump.join(timeout=5)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def _copy_output(self) -> None:
+        assert self.proc.stdout is not None
+        echo = self.spec.global_rank == 0
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            _copy(self.proc.stdout, log, echo)
+
+
+def _copy(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
+    while chunk := stream.read1(65536):  # type: ignore[attr-defined]
+        log.write(chunk)
+        log.flush()
+        if echo:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+
+
+class SparePool:
+    """Warm processes with torch, Lightning and the project imported, waiting on stdin for a rank.
+
+    ``take`` hands one out (or None) and starts a replacement in the background,
+    so the pool stays at ``size``. A spare's imports overlap training.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._spares: list[subprocess.Popen[bytes]] = []
+
+    def fill(self) -> None:
+        while len(self._spares) < self.size:
+            self._spares.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ckless_lightning.spare"],
+                    env=_base_env(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+
+    def take(self) -> subprocess.Popen[bytes] | None:
+        self._spares = [p for p in self._spares if p.poll() is None]
+        return self._spares.pop(0) if self._spares else None
+
+    def close(self) -> None:
+        for proc in self._spares:
+            signal_session(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self._spares.clear()

@@ -1,0 +1,224 @@
+"""Inject planned faults from inside a rank, at an exact optimizer step and phase.
+
+A fault of optimizer step N (1-based) fires while the rank runs step N, that is
+while ``trainer.global_step == N - 1``; with gradient accumulation, on the
+step's last micro-batch (``(batch_idx + 1) % accumulate_grad_batches == 0``, or
+the epoch's last batch). Phases map to Lightning 2.6 automatic optimization as
+follows (order checked in ``loops/optimization/automatic.py`` and
+``plugins/precision/precision.py``; the closure that runs forward and backward
+is called by ``optimizer.step`` itself):
+
+==============  ===============================================  ====================================
+phase           where it fires                                   what has run on this rank
+==============  ===============================================  ====================================
+data            ``on_train_batch_start``                         batch fetched; no forward yet
+forward         forward pre-hook on the LightningModule, put on  ``training_step`` entered; the
+                in ``on_train_batch_start`` (``self(inputs)``)   module's forward not yet
+backward        ``loss.register_hook``, put on in                backward started; no parameter
+                ``on_before_backward``                           gradient yet
+grad_reduction  ``on_after_backward``                            backward done (FSDP2 reduce-scatter);
+                                                                 clipping's all-reduce, update not yet
+optimizer       ``Optimizer.register_step_post_hook``, put on    this rank's parameters updated;
+                in ``on_train_start``                            scheduler, ``global_step``,
+                                                                 checkpoint not yet
+==============  ===============================================  ====================================
+
+Injection, after :func:`~ckless_lightning.faults.claim_fault` won and
+``on_inject(spec)`` returned: ``kill`` SIGKILLs the process; ``hang`` SIGSTOPs
+it (the agent's hang detection kills it); ``exception`` raises
+:class:`InjectedFault`; ``node_loss`` SIGKILLs the node's agent (its other
+ranks die with it through PR_SET_PDEATHSIG), then this process.
+
+The callback keeps no training state: whether a fault has fired lives in the
+marker files of ``marker_dir``, so a restarted rank skips it and the callback
+needs no ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from ckless_lightning.faults import FaultSpec, claim_fault
+
+__all__ = ["FaultInjectionCallback", "InjectedFault"]
+
+
+class InjectedFault(RuntimeError):
+    """The exception of an ``exception`` fault; ``spec`` is the fault that raised it."""
+
+    def __init__(self, spec: FaultSpec) -> None:
+        self.spec = spec
+        super().__init__(
+            f"injected fault #{spec.index}: exception on rank {spec.rank} "
+            f"at optimizer step {spec.step}, phase {spec.phase}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.spec,))
+
+
+class FaultInjectionCallback(pl.Callback):
+    """Fires this rank's ``injected_by=inside`` faults of ``specs``, each at most once per ``marker_dir``.
+
+    Args:
+        specs: the job's plan (:func:`~ckless_lightning.faults.plan_faults`); others' faults are ignored.
+        rank: the global rank this process plays.
+        marker_dir: where fired faults are recorded; shared by every rank and restart of the job.
+        on_inject: called with the spec just before injecting; it must make its record durable
+            (write and flush) before returning, because a ``kill`` follows at once.
+        node_agent_pid: pid of this node's agent; required when a ``node_loss`` targets this rank.
+    """
+
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        *,
+        rank: int,
+        marker_dir: str | Path,
+        on_inject: Callable[[FaultSpec], None] | None = None,
+        node_agent_pid: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.marker_dir = Path(marker_dir)
+        self.on_inject = on_inject
+        self.node_agent_pid = node_agent_pid
+        self.specs = [s for s in specs if s.injected_by == "inside" and s.rank == rank]
+        if node_agent_pid is None and any(s.fault_type == "node_loss" for s in self.specs):
+            raise ValueError(
+                f"a node_loss fault targets rank {rank} but node_agent_pid is None; "
+                "pass the pid of this node's agent, or inject the node loss from outside "
+                "(fault.injected_by=outside)"
+            )
+        self._due: list[FaultSpec] = []  # faults of the micro-batch in flight
+        self._forward_handle: RemovableHandle | None = None
+        self._optimizer_handles: list[RemovableHandle] = []
+
+    # -- hooks -------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once per fit, after optimizers exist: hook ``optimizer`` faults onto each optimizer's step."""
+        self._remove_hooks()
+        if not any(s.phase == "optimizer" for s in self.specs):
+            return
+        for optimizer in trainer.optimizers:
+            if isinstance(optimizer, LightningOptimizer):
+                optimizer = optimizer.optimizer
+            self._optimizer_handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Before each micro-batch's forward: arm the faults of this micro-batch; fire ``data`` faults."""
+        self._disarm()
+        last_micro_batch = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        )
+        if not last_micro_batch:
+            return
+        self._due = [s for s in self.specs if s.step == trainer.global_step + 1]
+        if not self._due:
+            return
+        self._fire("data")
+        if any(s.phase == "forward" for s in self._due):
+            self._forward_handle = pl_module.register_forward_pre_hook(self._before_forward)
+
+    @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        """Before each micro-batch's backward: hook ``backward`` faults onto the loss's gradient."""
+        if any(s.phase == "backward" for s in self._due):
+            assert loss.requires_grad, "on_before_backward got a loss that does not require grad"
+            loss.register_hook(self._on_loss_grad)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After each micro-batch's backward (grads reduced, not clipped or applied): ``grad_reduction``."""
+        self._fire("grad_reduction")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After each micro-batch: drop its armed faults."""
+        self._disarm()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._remove_hooks()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    # -- torch hooks -------------------------------------------------------------------------------------
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._remove_forward_hook()
+        self._fire("forward")
+
+    def _on_loss_grad(self, grad: torch.Tensor) -> None:
+        self._fire("backward")
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._fire("optimizer")
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _fire(self, phase: str) -> None:
+        for spec in [s for s in self._due if s.phase == phase]:
+            self._due.remove(spec)
+            if claim_fault(self.marker_dir, spec):
+                self._inject(spec)
+
+    def _inject(self, spec: FaultSpec) -> None:
+        if self.on_inject is not None:
+            self.on_inject(spec)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if spec.fault_type == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.fault_type == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.fault_type == "exception":
+            raise InjectedFault(spec)
+        elif spec.fault_type == "node_loss":
+            assert self.node_agent_pid is not None
+            os.kill(self.node_agent_pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            raise AssertionError(f"unknown fault type {spec.fault_type!r}")
+
+    def _disarm(self) -> None:
+        self._due = []
+        self._remove_forward_hook()
+
+    def _remove_forward_hook(self) -> None:
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+
+    def _remove_hooks(self) -> None:
+        self._disarm()
+        for handle in self._optimizer_handles:
+            handle.remove()
+        self._optimizer_handles = []

@@ -1,0 +1,47 @@
+"""Heartbeats to the node agent through the job store: before and after every training batch.
+
+The beat carries the last completed optimizer step, so the agent tells a rank
+that is starting up (step -1: ``agent.startup_timeout``) from one that stopped
+making progress (``agent.hang_timeout``). No thread: a rank blocked in a
+collective or stopped by a signal stops beating, which is the point.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from ckless_lightning.comm import Heartbeat, JobStore
+
+__all__ = ["HeartbeatCallback"]
+
+
+class HeartbeatCallback(pl.Callback):
+    """Writes ``hb/<rank>`` = (generation, last completed step, time); no state to checkpoint."""
+
+    def __init__(self, store: JobStore, *, rank: int, generation: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.generation = generation
+        self._started = False
+
+    def beat(self, step: int) -> None:
+        self.store.set_rank_heartbeat(self.rank, Heartbeat(self.generation, step, time.time()))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # Until the first step of this process completes, report -1 (still starting up).
+        self.beat(trainer.global_step if self._started else -1)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self._started = True
+            self.beat(trainer.global_step)

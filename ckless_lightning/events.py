@@ -1,0 +1,156 @@
+"""The job's recovery timeline: ``<run_dir>/events.jsonl``, one JSON object per line.
+
+Every agent and every rank appends to the same file while the job runs; the
+summary at the end of ``launch.py`` (:mod:`ckless_lightning.summary`) reads it
+back. A leaf module: no torch, no Lightning, so the agent can use it.
+
+Every record has ``t`` (``time.time()`` of the event, or a time the emitter
+measured itself), ``kind`` and ``source`` (who wrote it: ``"agent0"``,
+``"rank3"``, ...). Generation ``gen`` 0 is the first start; each recovery
+bumps it. Steps are optimizer steps, 1-based: step N is the one whose loss is
+line N of ``losses.jsonl``. The kinds and their fields:
+
+``job_start`` {tier, world_size, nnodes}
+    The agent starts the job.
+``ranks_started`` {gen, node, ranks: [int], pids: [int], warm: [bool]}
+    One per (re)start of a node's ranks; ``warm[i]``: ranks[i] went to a warm spare.
+``rank_phase`` {rank, gen, phase, step: int | None}
+    A rank reached a phase of (re)starting, in this order:
+    ``process_start`` (t = the process spawn time, or for a warm spare the time it
+    was given its rank), ``imports_done``, ``comm_init_start``, ``comm_init_done``,
+    ``state_load_start``, ``state_load_done`` (step = the optimizer step restored,
+    0 when starting fresh), ``data_ready`` (the first batch of this process
+    fetched), ``first_step_done`` (step = the first optimizer step this process
+    completed). A phase a tier skips is not emitted.
+``fault_injected`` {rank, step, phase, fault_type, injected_by: "inside" | "outside"}
+    A test fault hit ``rank`` during optimizer step ``step`` (its ``phase``:
+    forward, backward, ...); steps 1..step-1 were complete.
+``fault_detected`` {by, rank, reason: "exit" | "hang" | "node_lost", exit_code: int | None,
+last_step: int | None}
+    ``by`` (a source name) noticed that ``rank`` failed; ``last_step`` is the last
+    optimizer step that rank reported complete (its heartbeat), so the fault hit
+    step ``last_step + 1``; None, or -1 for a rank still starting up, if unknown.
+``ranks_stopped`` {gen, node, ranks}
+    The agent of ``node`` stopped these ranks of generation ``gen``.
+``generation`` {gen, reason}
+    The agent moved the job to generation ``gen``.
+``giveup`` {reason, exit_code}
+    The agent stopped recovering (e.g. fault budget spent); the job exits with ``exit_code``.
+``job_end`` {exit_code, final_step}
+    The agent ends the job.
+
+Emitters may add fields to these, and kinds of their own (the summary ignores
+what it does not know); ``EVENT_KINDS`` lists the kinds documented here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "EVENT_KINDS",
+    "MAX_RECORD_BYTES",
+    "RANK_PHASES",
+    "EventLog",
+    "read_events",
+    "read_jsonl",
+]
+
+EVENT_KINDS = (
+    "job_start",
+    "ranks_started",
+    "rank_phase",
+    "fault_injected",
+    "fault_detected",
+    "ranks_stopped",
+    "generation",
+    "giveup",
+    "job_end",
+)
+
+RANK_PHASES = (
+    "process_start",
+    "imports_done",
+    "comm_init_start",
+    "comm_init_done",
+    "state_load_start",
+    "state_load_done",
+    "data_ready",
+    "first_step_done",
+)
+
+# One os.write of an O_APPEND file is atomic against other appenders on local
+# filesystems for writes well under a page; records stay below this.
+MAX_RECORD_BYTES = 3072
+
+
+class EventLog:
+    """Appends events to one JSONL file shared by many processes.
+
+    Each :meth:`emit` opens the file with ``O_APPEND`` and writes the whole line
+    with a single ``os.write``, so concurrent writers never interleave lines.
+    Holds no open file, so it is safe to create before a fork.
+    """
+
+    def __init__(self, path: str | Path, source: str) -> None:
+        self.path = Path(path)
+        self.source = source
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append ``{"t", "kind", "source", **fields}`` and return it; ``fields`` may override ``t``.
+
+        Raises ``ValueError`` for a record of ``MAX_RECORD_BYTES`` or more.
+        """
+        record: dict[str, Any] = {"t": time.time(), "kind": kind, "source": self.source, **fields}
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        if len(line) >= MAX_RECORD_BYTES:
+            raise ValueError(
+                f"event {kind!r} from {self.source} is {len(line)} bytes; records must stay under "
+                f"{MAX_RECORD_BYTES} bytes so that concurrent appends stay atomic"
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+        finally:
+            os.close(fd)
+        if written != len(line):
+            raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
+        return record
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file in file order; ``[]`` if the file does not exist.
+
+    A last line that does not parse is a record torn by a writer that died
+    mid-write and is skipped; an unparsable line anywhere else is corruption
+    and raises ``ValueError`` naming the file and line number.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == last:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON record ({err.msg}): {line[:80]!r}") from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{i + 1}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The events of ``path`` sorted by ``t`` (equal times keep file order); see :func:`read_jsonl`."""
+    return sorted(read_jsonl(path), key=lambda event: float(event["t"]))

@@ -1,0 +1,237 @@
+"""Fault plans: what to break, on which rank, at which optimizer step and in which phase.
+
+``FaultConfig`` is the ``fault:`` config section (``conf/fault/*.yaml``).
+:func:`plan_faults` turns it into a list of :class:`FaultSpec` — one for a
+targeted fault, a deterministic schedule for ``fault.type=random`` — that the
+rank (``FaultInjectionCallback``, ``injected_by=inside``) or the agent
+(``injected_by=outside``: it signals the rank's pid) carries out.
+
+A restarted job passes the same step again; a fault must not fire twice.
+:func:`claim_fault` makes each fault once-only across processes and restarts
+with a marker file per fault, created atomically (``O_CREAT | O_EXCL``).
+
+Nothing here imports torch or Lightning: the agent process uses this module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "FAULT_TYPES",
+    "INJECTORS",
+    "PHASES",
+    "RANDOM_FAULT_TYPES",
+    "FaultConfig",
+    "FaultSpec",
+    "claim_fault",
+    "marker_path",
+    "plan_faults",
+]
+
+FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "random")
+PHASES = ("data", "forward", "backward", "grad_reduction", "optimizer")
+INJECTORS = ("inside", "outside")
+# Types a random schedule may draw from (node_loss is targeted only: it names a node).
+RANDOM_FAULT_TYPES = ("kill", "hang", "exception")
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return " | ".join(values)
+
+
+@dataclass
+class FaultConfig:
+    """The ``fault:`` section. ``step`` is the N-th optimizer step (1-based) during which the fault fires.
+
+    ``node`` is used by ``node_loss``; ``mtbf_steps``, ``seed``, ``max_faults`` and
+    ``types`` by ``random``. Checks that need the job's shape are in :meth:`validate_against`.
+    """
+
+    type: str = "none"
+    rank: int = 1
+    step: int = 10
+    phase: str = "forward"
+    injected_by: str = "inside"
+    node: int = 1
+    mtbf_steps: float = 40.0
+    seed: int = 0
+    max_faults: int = 3
+    types: list[str] = field(default_factory=lambda: ["kill", "exception", "hang"])
+
+    def __post_init__(self) -> None:
+        self.types = list(self.types)  # YAML gives a ListConfig or a tuple
+        if self.type not in FAULT_TYPES:
+            raise ValueError(f"fault.type must be one of {_choices(FAULT_TYPES)}, got {self.type!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"fault.phase must be one of {_choices(PHASES)}, got {self.phase!r}")
+        if self.injected_by not in INJECTORS:
+            raise ValueError(
+                f"fault.injected_by must be one of {_choices(INJECTORS)}, got {self.injected_by!r}"
+            )
+        if self.step < 1:
+            raise ValueError(
+                f"fault.step is the 1-based optimizer step of the fault; must be >= 1, got {self.step}"
+            )
+        if not self.mtbf_steps > 0:
+            raise ValueError(f"fault.mtbf_steps must be > 0, got {self.mtbf_steps}")
+        if self.max_faults < 1:
+            raise ValueError(f"fault.max_faults must be >= 1, got {self.max_faults}")
+        if not self.types:
+            raise ValueError(f"fault.types must list at least one of {_choices(RANDOM_FAULT_TYPES)}")
+        unknown = [t for t in self.types if t not in RANDOM_FAULT_TYPES]
+        if unknown:
+            raise ValueError(
+                f"fault.types may only contain {_choices(RANDOM_FAULT_TYPES)}, got {unknown}; "
+                "a node loss is targeted: use fault=node_loss"
+            )
+        if self.injected_by == "outside":
+            if self.type == "exception":
+                raise ValueError(
+                    "fault.type=exception cannot be injected from outside (an exception is raised by the "
+                    "rank's own code); use fault.injected_by=inside, or fault.type=kill or hang from outside"
+                )
+            if self.type == "random" and "exception" in self.types:
+                raise ValueError(
+                    "fault.types contains exception, which cannot be injected from outside; "
+                    "remove it from fault.types or use fault.injected_by=inside"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+    def validate_against(self, world_size: int, nnodes: int, nproc_per_node: int, max_steps: int) -> None:
+        """Checks against the job's shape (``cluster.*``) and length (``trainer.max_steps``); ValueError."""
+        assert world_size == nnodes * nproc_per_node, (world_size, nnodes, nproc_per_node)
+        if self.type in ("none", "random"):
+            return
+        if self.step > max_steps:
+            raise ValueError(
+                f"fault.step={self.step} is beyond trainer.max_steps={max_steps}, so it would never fire; "
+                f"choose fault.step in 1..{max_steps}"
+            )
+        if self.type == "node_loss":
+            if nnodes < 2:
+                raise ValueError(
+                    "a node loss needs cluster.nnodes >= 2; on one node use fault=kill "
+                    f"(cluster.nnodes={nnodes})"
+                )
+            if not 0 <= self.node < nnodes:
+                raise ValueError(
+                    f"fault.node={self.node} is outside 0..{nnodes - 1} (cluster.nnodes={nnodes}); "
+                    "choose an existing node"
+                )
+            return
+        if not 0 <= self.rank < world_size:
+            raise ValueError(
+                f"fault.rank={self.rank} is outside 0..{world_size - 1}: the world size is {world_size} "
+                f"(cluster.nnodes={nnodes} x cluster.nproc_per_node={nproc_per_node}); choose a rank in it"
+            )
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One planned fault: ``fault_type`` on global ``rank`` in optimizer step ``step`` (1-based), ``phase``.
+
+    ``index`` numbers the faults of a plan (the marker file's name); ``node`` is set for ``node_loss``.
+    """
+
+    index: int
+    fault_type: str
+    rank: int
+    step: int
+    phase: str
+    injected_by: str
+    node: int | None = None
+
+    def __post_init__(self) -> None:
+        assert self.index >= 0 and self.step >= 1 and self.rank >= 0, self
+        assert self.fault_type in FAULT_TYPES and self.fault_type not in ("none", "random"), self
+        assert self.phase in PHASES and self.injected_by in INJECTORS, self
+        assert (self.node is not None) == (self.fault_type == "node_loss"), self
+
+
+def plan_faults(
+    cfg: FaultConfig, *, world_size: int, nnodes: int, nproc_per_node: int, max_steps: int
+) -> list[FaultSpec]:
+    """The faults of a job, deterministic in its inputs (same inputs, same list); validates ``cfg`` first.
+
+    ``random``: inter-arrival steps ~ Exponential(mean ``mtbf_steps``) rounded up (>= 1, so at most one
+    fault per step), rank, phase and type drawn uniformly, at most ``max_faults``, steps <= ``max_steps``.
+    """
+    cfg.validate_against(world_size, nnodes, nproc_per_node, max_steps)
+    if cfg.type == "none":
+        return []
+    if cfg.type == "node_loss":
+        return [
+            FaultSpec(
+                index=0,
+                fault_type="node_loss",
+                rank=cfg.node * nproc_per_node,
+                step=cfg.step,
+                phase=cfg.phase,
+                injected_by=cfg.injected_by,
+                node=cfg.node,
+            )
+        ]
+    if cfg.type != "random":
+        return [
+            FaultSpec(
+                index=0,
+                fault_type=cfg.type,
+                rank=cfg.rank,
+                step=cfg.step,
+                phase=cfg.phase,
+                injected_by=cfg.injected_by,
+            )
+        ]
+    rng = random.Random(cfg.seed)
+    specs: list[FaultSpec] = []
+    step = 0
+    while len(specs) < cfg.max_faults:
+        step += max(1, math.ceil(rng.expovariate(1.0 / cfg.mtbf_steps)))
+        if step > max_steps:
+            break
+        rank = rng.randrange(world_size)
+        phase = rng.choice(PHASES)
+        fault_type = rng.choice(cfg.types)
+        specs.append(
+            FaultSpec(
+                index=len(specs),
+                fault_type=fault_type,
+                rank=rank,
+                step=step,
+                phase=phase,
+                injected_by=cfg.injected_by,
+            )
+        )
+    return specs
+
+
+def marker_path(marker_dir: str | Path, spec: FaultSpec) -> Path:
+    """``<marker_dir>/fault-<index>.fired``: exists once ``spec`` has fired."""
+    return Path(marker_dir) / f"fault-{spec.index}.fired"
+
+
+def claim_fault(marker_dir: str | Path, spec: FaultSpec) -> bool:
+    """Atomically claim ``spec``: True if this call created its marker (fire it), False if it had fired.
+
+    Safe across processes and restarts (``O_CREAT | O_EXCL``); creates ``marker_dir`` if missing.
+    """
+    path = marker_path(marker_dir, spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, f"{spec!r} pid={os.getpid()}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True

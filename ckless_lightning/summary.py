@@ -1,0 +1,338 @@
+"""What a job's faults cost: per-fault recovery timings and job goodput, from the event log.
+
+``launch.py`` prints :meth:`JobSummary.format` at the end of a job. The input is
+``<run_dir>/events.jsonl`` (schema in :mod:`ckless_lightning.events`) and
+``<run_dir>/losses.jsonl`` (``{"step", "loss", "t"}`` appended by rank 0 after
+every optimizer step; a restarted run appends again from its resume point).
+A leaf module: no torch, no Lightning.
+
+Goodput is fault-free time over wall time: ``(startup_s + steps_done *
+step_time_s) / wall_s``, where ``startup_s`` is job start to the first completed
+step of generation 0 and ``step_time_s`` the median step time measured away
+from faults. A fault-free run scores about 1; every second spent detecting,
+restarting, reloading and redoing steps lowers it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckless_lightning.events import read_events, read_jsonl
+
+__all__ = ["FaultRecovery", "JobSummary", "summarize", "summarize_run"]
+
+_FAULT_KINDS = ("fault_injected", "fault_detected", "generation")
+
+
+@dataclass
+class FaultRecovery:
+    """One fault and its recovery; every ``*_s`` is seconds, ``None`` where the tier skips that phase.
+
+    ``detection_s``: fault -> first detection. ``stop_s``: detection -> last rank
+    of the old generation stopped. ``process_start_s``: stop (or detection) ->
+    last new process started. ``imports_s``, ``comm_init_s``, ``state_load_s``:
+    the slowest rank's phase. ``data_ready_s``: state loaded -> first batch
+    (slowest rank). ``total_s``: fault -> last rank's first completed step in the
+    new generation. ``steps_lost``: steps completed before the fault that were redone.
+    """
+
+    index: int
+    t_fault: float
+    fault_type: str  # the injected fault_type, else the detection reason ("hang", ...)
+    rank: int | None
+    fault_step: int | None  # injected step, else the detection's last_step + 1 (the step it was in)
+    phase: str | None
+    injected_by: str | None  # "inside" | "outside"; None for a fault that was only detected
+    detected_by: str | None = None
+    detection_s: float | None = None
+    stop_s: float | None = None
+    old_gen: int = 0
+    new_gen: int | None = None
+    process_start_s: float | None = None
+    imports_s: float | None = None
+    comm_init_s: float | None = None
+    state_load_s: float | None = None
+    data_ready_s: float | None = None
+    total_s: float | None = None
+    resumed_from_step: int | None = None
+    steps_lost: int | None = None
+    # or "gave up: <reason>", "no new generation", "superseded by fault <n>", "no completed step"
+    outcome: str = "recovered"
+
+    @property
+    def recovered(self) -> bool:
+        return self.total_s is not None
+
+
+@dataclass
+class JobSummary:
+    """Job-level figures plus one :class:`FaultRecovery` per fault; ``None`` where the logs lack the data."""
+
+    faults: list[FaultRecovery] = field(default_factory=list)
+    tier: int | None = None
+    world_size: int | None = None
+    wall_s: float | None = None
+    steps_done: int | None = None
+    step_time_s: float | None = None
+    startup_s: float | None = None
+    goodput: float | None = None
+    generations: int = 0
+    exit_code: int | None = None
+    giveup_reason: str | None = None
+
+    def format(self) -> str:
+        """A plain-text report, at most ~100 columns for typical fault names."""
+        return "\n".join([*_fault_table(self.faults), *_footer(self)])
+
+
+def summarize_run(run_dir: str | Path) -> JobSummary:
+    """:func:`summarize` of ``<run_dir>/events.jsonl`` and ``<run_dir>/losses.jsonl``."""
+    run_dir = Path(run_dir)
+    return summarize(read_events(run_dir / "events.jsonl"), read_jsonl(run_dir / "losses.jsonl"))
+
+
+def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None = None) -> JobSummary:
+    """Per-fault recovery rows and job figures from events (any order) and ``losses.jsonl`` records.
+
+    A fault is each ``fault_injected``, and each ``fault_detected`` with no fault
+    opened since the last ``generation`` event (a hang or crash nobody injected).
+    """
+    events = sorted(events, key=lambda e: float(e["t"]))
+    summary = JobSummary()
+    starts = _of(events, "job_start")
+    ends = _of(events, "job_end")
+    if starts:
+        summary.tier = starts[0].get("tier")
+        summary.world_size = starts[0].get("world_size")
+    if starts and ends:
+        summary.wall_s = ends[-1]["t"] - starts[0]["t"]
+    nonzero = [e["exit_code"] for e in ends if e.get("exit_code")]
+    summary.exit_code = nonzero[0] if nonzero else (ends[-1].get("exit_code") if ends else None)
+    giveups = _of(events, "giveup")
+    summary.giveup_reason = giveups[0].get("reason") if giveups else None
+    gen_kinds = ("generation", "ranks_started", "rank_phase")
+    gens = {e["gen"] for e in events if e["kind"] in gen_kinds and "gen" in e}
+    summary.generations = len(gens) or (1 if starts else 0)
+
+    openers = _fault_openers(events)
+    summary.faults = [_recovery(events, i + 1, pos) for i, pos in enumerate(openers)]
+    for fault in summary.faults:
+        if fault.total_s is None and fault.outcome == "recovered":
+            later = fault.index < len(summary.faults)
+            fault.outcome = f"superseded by fault {fault.index + 1}" if later else "no completed step"
+
+    if losses:
+        summary.steps_done = max(int(r["step"]) for r in losses)
+    elif ends and ends[-1].get("final_step") is not None:
+        summary.steps_done = int(ends[-1]["final_step"])
+    fault_times = [e["t"] for e in events if e["kind"] in _FAULT_KINDS]
+    summary.step_time_s = _median_step_time(losses or [], fault_times)
+    first_steps = [e["t"] for e in _phases(events, 0) if e["phase"] == "first_step_done"]
+    if starts and first_steps:
+        summary.startup_s = min(first_steps) - starts[0]["t"]
+    if None not in (summary.startup_s, summary.steps_done, summary.step_time_s) and summary.wall_s:
+        fault_free = summary.startup_s + summary.steps_done * summary.step_time_s  # type: ignore[operator]
+        summary.goodput = fault_free / summary.wall_s
+    return summary
+
+
+def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def _phases(events: list[dict[str, Any]], gen: int) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "rank_phase" and e.get("gen") == gen]
+
+
+def _fault_openers(events: list[dict[str, Any]]) -> list[int]:
+    """Positions in ``events`` (sorted by time) of the event that opens each fault; see :func:`summarize`."""
+    openers: list[int] = []
+    open_since_generation = False
+    for pos, event in enumerate(events):
+        if event["kind"] == "generation":
+            open_since_generation = False
+        elif event["kind"] == "fault_injected" or (
+            event["kind"] == "fault_detected" and not open_since_generation
+        ):
+            openers.append(pos)
+            open_since_generation = True
+    return openers
+
+
+def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecovery:
+    """The row of the fault opened by ``events[pos]``; "before" and "after" are by position in time order."""
+    opener = events[pos]
+    t_f = float(opener["t"])
+    injected = opener["kind"] == "fault_injected"
+    after = events[pos + 1 :]
+    new_gen_pos = next((i for i, e in enumerate(after) if e["kind"] == "generation"), None)
+    new_gen_event = None if new_gen_pos is None else after[new_gen_pos]
+    old_gens = [e["gen"] for e in events[:pos] if e["kind"] == "generation"]
+    # An injected fault's detection comes before the generation it led to.
+    until_new_gen = after if new_gen_pos is None else after[:new_gen_pos]
+    detections = _of(until_new_gen, "fault_detected")
+    detection = opener if not injected else (detections[0] if detections else None)
+    last_step = detection.get("last_step") if detection is not None else None
+    if last_step is not None and last_step < 0:
+        last_step = None  # the heartbeat's "still starting up"
+    fault = FaultRecovery(
+        index=index,
+        t_fault=t_f,
+        fault_type=opener["fault_type"] if injected else str(opener.get("reason", "fault")),
+        rank=opener.get("rank"),
+        fault_step=opener.get("step") if injected else (None if last_step is None else last_step + 1),
+        phase=opener.get("phase") if injected else None,
+        injected_by=opener.get("injected_by") if injected else None,
+        old_gen=old_gens[-1] if old_gens else 0,
+    )
+    t_detect = None
+    if detection is not None:
+        t_detect = float(detection["t"])
+        fault.detected_by = detection.get("by")
+        fault.detection_s = t_detect - t_f
+    stops = [e["t"] for e in after if e["kind"] == "ranks_stopped" and e.get("gen") == fault.old_gen]
+    t_stop = max(stops) if stops else None
+    if t_stop is not None and t_detect is not None:
+        fault.stop_s = t_stop - t_detect
+    if new_gen_event is None:
+        giveups = _of(after, "giveup")
+        fault.outcome = f"gave up: {giveups[0].get('reason')}" if giveups else "no new generation"
+        return fault
+    fault.new_gen = int(new_gen_event["gen"])
+    by_phase = _by_phase(_phases(events, fault.new_gen))
+    spawns = by_phase.get("process_start", {})
+    t_from = t_stop if t_stop is not None else t_detect
+    if spawns and t_from is not None:
+        fault.process_start_s = max(e["t"] for e in spawns.values()) - t_from
+    fault.imports_s = _slowest(by_phase, "process_start", "imports_done")
+    fault.comm_init_s = _slowest(by_phase, "comm_init_start", "comm_init_done")
+    fault.state_load_s = _slowest(by_phase, "state_load_start", "state_load_done")
+    fault.data_ready_s = _slowest(by_phase, "state_load_done", "data_ready")
+    first_steps = by_phase.get("first_step_done", {})
+    if first_steps:
+        fault.total_s = max(e["t"] for e in first_steps.values()) - t_f
+    loaded = by_phase.get("state_load_done", {})
+    if loaded:
+        fault.resumed_from_step = loaded.get(0, loaded[min(loaded)]).get("step")
+    if fault.fault_step is not None and fault.resumed_from_step is not None:
+        fault.steps_lost = fault.fault_step - 1 - fault.resumed_from_step
+    return fault
+
+
+def _by_phase(phase_events: Iterable[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """{phase: {rank: event}}; a phase a rank reports twice in one generation keeps the first."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for event in phase_events:
+        out.setdefault(event["phase"], {}).setdefault(int(event["rank"]), event)
+    return out
+
+
+def _slowest(by_phase: dict[str, dict[int, dict[str, Any]]], start: str, end: str) -> float | None:
+    """Max over ranks that reported both phases of ``end.t - start.t``; ``None`` if no rank did."""
+    starts, ends = by_phase.get(start, {}), by_phase.get(end, {})
+    spans = [ends[rank]["t"] - starts[rank]["t"] for rank in starts.keys() & ends.keys()]
+    return max(spans) if spans else None
+
+
+def _median_step_time(losses: list[dict[str, Any]], fault_times: list[float]) -> float | None:
+    """Median time between consecutive loss records one step apart with no fault or generation between."""
+    gaps = []
+    for prev, cur in itertools.pairwise(losses):
+        if "t" not in prev or "t" not in cur or int(cur["step"]) != int(prev["step"]) + 1:
+            continue
+        if any(prev["t"] < t <= cur["t"] for t in fault_times):
+            continue
+        gaps.append(cur["t"] - prev["t"])
+    return statistics.median(gaps) if gaps else None
+
+
+# --- formatting --------------------------------------------------------------------------------------
+
+_TIME_COLUMNS = (
+    ("detect", "detection_s"),
+    ("stop", "stop_s"),
+    ("spawn", "process_start_s"),
+    ("import", "imports_s"),
+    ("comm", "comm_init_s"),
+    ("load", "state_load_s"),
+    ("data", "data_ready_s"),
+    ("total", "total_s"),
+)
+_LEGEND = (
+    "seconds; '-': a phase this tier skips. detect: fault -> detected. stop: -> old ranks stopped.",
+    "spawn: -> last new process started. import, comm, load: the slowest rank's imports, communicator",
+    "init, state load. data: state loaded -> first batch. total: fault -> first completed step after it.",
+    "lost: steps completed before the fault that were redone.",
+)
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _opt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _fault_table(faults: list[FaultRecovery]) -> list[str]:
+    if not faults:
+        return ["faults: none"]
+    header = ["#", "fault", "step", "phase", "by", *(name for name, _ in _TIME_COLUMNS), "lost"]
+    rows: list[list[str]] = []
+    for f in faults:
+        cells = [
+            str(f.index),
+            f.fault_type if f.rank is None else f"{f.fault_type}@{f.rank}",
+            _opt(f.fault_step),
+            _opt(f.phase),
+            _opt(f.detected_by),
+            *(_secs(getattr(f, attr)) for _, attr in _TIME_COLUMNS),
+            _opt(f.steps_lost),
+        ]
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    numeric_from = 5  # text columns are left-aligned, the rest right-aligned
+
+    def line(cells: list[str]) -> str:
+        n = numeric_from
+        text = "  ".join(c.ljust(w) for c, w in zip(cells[:n], widths[:n], strict=True))
+        numbers = " ".join(c.rjust(w) for c, w in zip(cells[n:], widths[n:], strict=True))
+        return f"{text}  {numbers}".rstrip()
+
+    out = ["faults:", line(header)]
+    for f, cells in zip(faults, rows, strict=True):
+        if f.new_gen is None:
+            # No later generation: the timings up to the stop are real, the rest never happened.
+            cut = numeric_from + 2
+            out.append(line(cells[:cut] + [""] * (len(header) - cut)) + "  " + f.outcome)
+        elif not f.recovered:
+            out.append(line(cells) + "  " + f.outcome)
+        else:
+            out.append(line(cells))
+    out.extend(_LEGEND)
+    return out
+
+
+def _footer(s: JobSummary) -> list[str]:
+    steps = _opt(s.steps_done)
+    goodput = "-" if s.goodput is None else f"{100 * s.goodput:.1f}%"
+    if s.exit_code is None:
+        status = "unknown (no job_end event)"
+    else:
+        status = str(s.exit_code) + ("" if s.giveup_reason is None else f" (gave up: {s.giveup_reason})")
+    return [
+        "",
+        f"tier {_opt(s.tier)}, world size {_opt(s.world_size)}",
+        f"wall time        {_secs(s.wall_s)} s",
+        f"steps done       {steps}",
+        f"median step      {_secs(s.step_time_s)} s (consecutive steps with no fault between)",
+        f"startup          {_secs(s.startup_s)} s (job start -> first step of generation 0)",
+        f"goodput          {goodput} = (startup + steps done x median step) / wall time",
+        f"generations      {s.generations}",
+        f"exit status      {status}",
+    ]

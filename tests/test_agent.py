@@ -1,0 +1,212 @@
+"""The agent at tiers 0 and 1 on 4 CPU ranks: faults recovered, bitwise equal to the fault-free run.
+
+Every run trains llama3_tiny for 12 steps with a checkpoint every 5; faults hit
+step 8, so the job resumes from step 5 and redoes steps 6-7. A recovered run
+must end with the same weights, optimizer state and per-step losses, bit for
+bit, as the fault-free reference.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from checkpoint_utils import assert_bitwise_equal, load_full_checkpoint
+from conftest import ROOT, launch_job
+
+from ckless_lightning.checkpointing import checkpoint_name
+from ckless_lightning.events import read_events
+from ckless_lightning.loss_log import read_losses
+
+STEPS = 12
+COMMON = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=5", "agent.hang_timeout=8")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache) -> Path:
+    run = tmp_path_factory.mktemp("reference")
+    launch_job(run, data_cache, *COMMON)
+    return run
+
+
+def assert_same_training(run: Path, reference: Path, scratch: Path) -> None:
+    losses, expected = read_losses(run / "losses.jsonl"), read_losses(reference / "losses.jsonl")
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert losses == expected
+    final = checkpoint_name(STEPS)
+    assert_bitwise_equal(
+        load_full_checkpoint(run / "checkpoints" / final, scratch),
+        load_full_checkpoint(reference / "checkpoints" / final, scratch),
+    )
+
+
+def events_of(run: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(run / "events.jsonl") if e["kind"] == kind]
+
+
+def job_processes(run: Path) -> list[psutil.Process]:
+    """Live processes that belong to the job in ``run`` (by their command line)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(run) in cmdline and "pytest" not in cmdline:
+            found.append(proc)
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("tier", "fault", "injected_by"),
+    [
+        (0, "kill", "inside"),
+        (0, "hang", "inside"),
+        (0, "exception", "inside"),
+        (1, "kill", "outside"),
+        (1, "hang", "outside"),
+        (1, "exception", "inside"),
+    ],
+)
+def test_fault_recovers_bitwise(tmp_path, data_cache, reference, tier, fault, injected_by):
+    run = tmp_path / "run"
+    launch_job(
+        run,
+        data_cache,
+        *COMMON,
+        f"tier={tier}",
+        f"fault={fault}",
+        "fault.rank=1",
+        "fault.step=8",
+        f"fault.injected_by={injected_by}",
+    )
+    assert_same_training(run, reference, tmp_path)
+
+    injected = events_of(run, "fault_injected")
+    assert [(e["rank"], e["step"], e["injected_by"]) for e in injected] == [(1, 8, injected_by)]
+    detected = events_of(run, "fault_detected")
+    assert detected and detected[0]["rank"] == 1, detected
+    assert detected[0]["reason"] == ("hang" if fault == "hang" else "exit"), detected
+    loads = [e for e in events_of(run, "rank_phase") if e["phase"] == "state_load_done" and e["gen"] == 1]
+    assert sorted(e["rank"] for e in loads) == [0, 1, 2, 3] and {e["step"] for e in loads} == {5}
+    if tier == 1:
+        inits = [e for e in events_of(run, "rank_phase") if e["phase"] == "comm_init_done"]
+        assert {e["gen"] for e in inits} == {0, 1}
+    assert not job_processes(run), [p.info["cmdline"] for p in job_processes(run)]
+
+
+@pytest.mark.timeout(600)
+def test_hang_detected_within_timeout(tmp_path, data_cache):
+    run = tmp_path / "run"
+    launch_job(run, data_cache, *COMMON, "fault=hang", "fault.rank=2", "fault.step=8", "agent.hang_timeout=4")
+    (detection,) = [e for e in events_of(run, "fault_detected") if e["reason"] == "hang"]
+    (injection,) = events_of(run, "fault_injected")
+    assert detection["rank"] == 2 and detection["last_step"] == 7
+    silent = detection["t"] - detection["last_beat"]
+    assert 4.0 <= silent <= 4.0 + 2.0, f"hang declared after {silent:.2f} s of silence"
+    assert detection["t"] - injection["t"] <= 4.0 + 2.0
+
+
+@pytest.mark.timeout(600)
+def test_rank0_killed_store_survives(tmp_path, data_cache, reference):
+    run = tmp_path / "run"
+    launch_job(run, data_cache, *COMMON, "tier=1", "fault=kill", "fault.rank=0", "fault.step=8")
+    assert_same_training(run, reference, tmp_path)
+    assert events_of(run, "fault_detected")[0]["rank"] == 0
+
+
+@pytest.mark.timeout(600)
+def test_fault_budget_spent_exits_75_and_leaves_nothing(tmp_path, data_cache):
+    run = tmp_path / "run"
+    port = free_port()
+    result = launch_job(
+        run,
+        data_cache,
+        *COMMON,
+        "tier=1",
+        "fault=kill",
+        "fault.step=3",
+        "agent.max_restarts=0",
+        f"cluster.master_port={port}",
+        expect=75,
+    )
+    reasons = [line for line in result.stderr.splitlines() if line.startswith("giving up:")]
+    assert len(reasons) == 1 and "agent.max_restarts=0" in reasons[0]
+    assert events_of(run, "giveup")
+    assert not job_processes(run)
+    with socket.socket() as sock:  # the job store's port is free again
+        sock.bind(("127.0.0.1", port))
+
+
+def start_node(run: Path, data_cache: Path, node: int, port: int, *overrides: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            f"hydra.run.dir={run}",
+            f"data.cache_dir={data_cache}",
+            "data.max_source_bytes=2000000",
+            "trainer.enable_progress_bar=false",
+            "cluster.nnodes=2",
+            "cluster.nproc_per_node=2",
+            f"cluster.node_rank={node}",
+            f"cluster.master_port={port}",
+            *COMMON,
+            *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(node: subprocess.Popen[str], timeout: float = 240) -> tuple[int, str]:
+    try:
+        out, _ = node.communicate(timeout=timeout)
+    finally:
+        node.kill()
+    return node.returncode, out
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_rank_killed_on_node1(tmp_path, data_cache, reference):
+    run, port = tmp_path / "run", free_port()
+    nodes = [
+        start_node(run, data_cache, n, port, "tier=1", "fault=kill", "fault.rank=3", "fault.step=8")
+        for n in (0, 1)
+    ]
+    results = [finish(node) for node in nodes]
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert_same_training(run, reference, tmp_path)
+    assert events_of(run, "fault_detected")[0]["by"] == "agent1"
+    assert not job_processes(run)
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_node1_lost_and_replaced(tmp_path, data_cache, reference):
+    run, port = tmp_path / "run", free_port()
+    overrides = ("tier=1", "fault=node_loss", "fault.node=1", "fault.step=8")
+    node0 = start_node(run, data_cache, 0, port, *overrides)
+    node1 = start_node(run, data_cache, 1, port, *overrides)
+    try:
+        code1, _ = finish(node1)
+        assert code1 == -signal.SIGKILL  # node 1's agent was killed with its ranks
+        time.sleep(1.0)
+        replacement = start_node(run, data_cache, 1, port, *overrides)  # the scheduler brings a new node
+        results = [finish(node0), finish(replacement)]
+    finally:
+        node0.kill()
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert_same_training(run, reference, tmp_path)
+    assert events_of(run, "fault_injected")[0]["fault_type"] == "node_loss"
+    assert not job_processes(run)
