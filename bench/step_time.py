@@ -36,6 +36,7 @@ def run_config(recipe: str, ranks: int, steps: int, warmup: int, work: Path) -> 
         "trainer.enable_progress_bar=false",
         "checkpoint.every_n_steps=0",
         "checkpoint.save_final=false",
+        "fault=none",
     ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:

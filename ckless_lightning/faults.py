@@ -113,7 +113,7 @@ class FaultConfig:
         if self.step > max_steps:
             raise ValueError(
                 f"fault.step={self.step} is beyond trainer.max_steps={max_steps}, so it would never fire; "
-                f"choose fault.step in 1..{max_steps}"
+                f"choose fault.step in 1..{max_steps}, or fault=none for no fault"
             )
         if self.type == "node_loss":
             if nnodes < 2:

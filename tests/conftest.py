@@ -52,6 +52,9 @@ def launch_job(
 ) -> subprocess.CompletedProcess[str]:
     """``python launch.py`` as a user runs it, on a 2 MB slice of the built-in corpus, no progress bar.
 
+    Without a ``fault=...`` override the run has no fault (``fault=none``: the
+    default recipe's demo fault is off).
+
     Asserts the exit code when ``expect`` is not None. ``subprocess.run`` kills
     launch.py on timeout, and its ranks die with it (PR_SET_PDEATHSIG).
     """
@@ -63,6 +66,7 @@ def launch_job(
             f"data.cache_dir={data_cache}",
             "data.max_source_bytes=2000000",
             "trainer.enable_progress_bar=false",
+            *([] if any(o.startswith("fault=") for o in overrides) else ["fault=none"]),
             *overrides,
         ],
         capture_output=True,

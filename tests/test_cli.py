@@ -76,3 +76,21 @@ def test_cfg_job_prints_composed_config(tmp_path):
     result = launch(tmp_path, "recipe=llama3_70b_long", "--cfg", "job")
     assert result.returncode == 0, result.stderr
     assert "seq_len: 16384" in result.stdout and "dim: 8192" in result.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["agent.hang_timeout=-5"], "agent.hang_timeout"),
+        (["fault=kill", "fault.type=explode"], "fault.type"),
+        (["fault=kill", "fault.rank=4"], "fault.rank"),
+        (["fault=node_loss"], "cluster.nnodes"),
+        (["tier=3"], "tier=3"),
+    ],
+)
+def test_bad_agent_and_fault_config_fails_before_ranks(tmp_path, overrides, named):
+    result = launch(tmp_path, *overrides)
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr
+    assert_no_rank_started(tmp_path)

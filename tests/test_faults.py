@@ -95,7 +95,11 @@ def test_hydra_fault_groups_compose(compose) -> None:
         section = compose(f"fault={name}", "fault.rank=2", "fault.step=20")["fault"]
         cfg = FaultConfig(**section)
         assert (cfg.type, cfg.rank, cfg.step) == (name, 2, 20)
-    assert FaultConfig(**compose()["fault"]).type == "none"
+    # The default recipe carries a demo fault (conf/demo_fault/llama3_tiny.yaml); other recipes none.
+    demo = FaultConfig(**compose()["fault"])
+    assert (demo.type, demo.rank, demo.step) == ("kill", 1, 25)
+    assert FaultConfig(**compose("fault=none")["fault"]).type == "none"
+    assert FaultConfig(**compose("recipe=llama3_8b")["fault"]).type == "none"
 
 
 # -- plans -----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[psutil
             "trainer.max_steps=100000",
             "trainer.enable_progress_bar=false",
             "checkpoint.every_n_steps=0",
+            "fault=none",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
