@@ -125,11 +125,15 @@ class NodeAgent:
     def _supervise(self) -> int:
         assert self.store is not None
         gen = self._join_generation()
+        if gen is None:
+            return self._give_up_exit()
         while True:
             self._start_ranks(gen)
             outcome = self._monitor(gen)
             if outcome.kind == "done":
-                return self._finish(gen)
+                outcome = self._wait_for_other_nodes(gen)
+                if outcome.kind == "done":
+                    return 0
             self._stop_ranks(graceful=False, generation=gen)
             if outcome.kind == "giveup":
                 return self._give_up_exit()
@@ -142,16 +146,13 @@ class NodeAgent:
                 assert outcome.generation is not None
                 gen = outcome.generation
 
-    def _join_generation(self) -> int:
+    def _join_generation(self) -> int | None:
         """The generation to start in; a replacement node whose predecessor ran it asks for a new one."""
         assert self.store is not None
         gen = self.store.generation()
         if self.store.store.check([f"started/{gen}/{self.node}"]):
             self.events.emit("node_rejoined", node=self.node, gen=gen)
-            next_gen = self._next_generation(gen)
-            if next_gen is None:
-                raise SystemExit(self._give_up_exit())
-            gen = next_gen
+            return self._next_generation(gen)
         return gen
 
     # -- ranks -----------------------------------------------------------------
@@ -197,11 +198,10 @@ class NodeAgent:
         )
 
     def _stop_ranks(self, *, graceful: bool, generation: int | None = None) -> None:
-        live = [p for p in self.ranks.values()]
-        if not live:
+        if not self.ranks:
             return
         grace = self.cfg.stop_grace_s if graceful else 0.0
-        for proc in live:
+        for proc in self.ranks.values():
             proc.stop(grace)
         if generation is not None:
             self.events.emit("ranks_stopped", gen=generation, node=self.node, ranks=sorted(self.ranks))
@@ -378,18 +378,22 @@ class NodeAgent:
         print(f"giving up: {reason}; exit code {EXIT_FAULT_BUDGET}", file=sys.stderr)
         return EXIT_FAULT_BUDGET
 
-    def _finish(self, gen: int) -> int:
-        """This node's ranks are done; node 0 keeps the store up until every node is done."""
+    def _wait_for_other_nodes(self, gen: int) -> _Outcome:
+        """This node's ranks are done; node 0 keeps the store up until every node is done.
+
+        If another node fails meanwhile, the job moves on and this node reruns
+        the new generation too (a cheap resume from the final checkpoint).
+        """
         assert self.store is not None
         self.store.mark_done(gen, self.node)
-        self.ranks.clear()
         if self.node != 0:
-            return 0
+            return _Outcome("done")
         while not self.store.nodes_done(gen, self.cluster.nnodes):
-            if self.store.generation() > gen or self.store.giveup_reason() is not None:
-                # A node failed after ours finished: rerun this generation's end (a cheap resume).
-                return self._supervise()
+            if self.store.giveup_reason() is not None:
+                return _Outcome("giveup")
+            if (current := self.store.generation()) > gen:
+                return _Outcome("generation", current)
             self.store.set_agent_heartbeat(self.node, gen)
             time.sleep(self.cfg.monitor_interval)
         self.events.emit("job_end", exit_code=0, gen=gen)
-        return 0
+        return _Outcome("done")
