@@ -29,6 +29,7 @@ __all__ = [
     "FaultConfig",
     "FaultSpec",
     "claim_fault",
+    "injected_event",
     "marker_path",
     "plan_faults",
 ]
@@ -211,6 +212,17 @@ def plan_faults(
             )
         )
     return specs
+
+
+def injected_event(spec: FaultSpec, injected_by: str) -> dict[str, object]:
+    """The fields of the ``fault_injected`` event for ``spec`` (see ckless_lightning.events)."""
+    return {
+        "rank": spec.rank,
+        "step": spec.step,
+        "phase": spec.phase if injected_by == "inside" else None,
+        "fault_type": spec.fault_type,
+        "injected_by": injected_by,
+    }
 
 
 def marker_path(marker_dir: str | Path, spec: FaultSpec) -> Path:

@@ -25,7 +25,7 @@ from ckless_lightning.comm import JobStore, connect_store
 from ckless_lightning.config import JobConfig
 from ckless_lightning.datamodule import TokenDataModule
 from ckless_lightning.events import EventLog
-from ckless_lightning.faults import FaultSpec, plan_faults
+from ckless_lightning.faults import FaultSpec, injected_event, plan_faults
 from ckless_lightning.module import CausalLMModule
 from ckless_lightning.plan import resolve_accelerator
 from ckless_lightning.rank import RankContext
@@ -159,13 +159,7 @@ def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
                 rank=context.rank,
                 marker_dir=run_dir / "faults",
                 on_inject=lambda spec: events.emit(
-                    "fault_injected",
-                    rank=spec.rank,
-                    step=spec.step,
-                    phase=spec.phase,
-                    fault_type=spec.fault_type,
-                    injected_by="inside",
-                    gen=context.generation,
+                    "fault_injected", **injected_event(spec, "inside"), gen=context.generation
                 ),
                 node_agent_pid=context.agent_pid,
             )

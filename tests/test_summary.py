@@ -8,19 +8,10 @@ from typing import Any
 
 import pytest
 
-from ckless_lightning.events import EventLog, read_events, read_jsonl
+from ckless_lightning.events import RANK_PHASES, EventLog, read_events, read_jsonl
 from ckless_lightning.summary import summarize, summarize_run
 
-PHASE_ORDER = (
-    "process_start",
-    "imports_done",
-    "comm_init_start",
-    "comm_init_done",
-    "state_load_start",
-    "state_load_done",
-    "data_ready",
-    "first_step_done",
-)
+PHASE_ORDER = RANK_PHASES
 
 
 def ev(t: float, kind: str, source: str = "agent0", **fields: Any) -> dict[str, Any]:

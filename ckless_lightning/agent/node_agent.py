@@ -35,7 +35,7 @@ from ckless_lightning.agent.processes import RankProcess, RankSpec, SparePool
 from ckless_lightning.comm import Heartbeat, JobStore, connect_store
 from ckless_lightning.config import JobConfig
 from ckless_lightning.events import EventLog
-from ckless_lightning.faults import FaultSpec, claim_fault, plan_faults
+from ckless_lightning.faults import FaultSpec, claim_fault, injected_event, plan_faults
 from ckless_lightning.rank import EXIT_PEER_FAILED
 
 __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
@@ -333,15 +333,7 @@ class NodeAgent:
                 self._fire(spec, gen)
 
     def _fire(self, spec: FaultSpec, gen: int) -> None:
-        self.events.emit(
-            "fault_injected",
-            rank=spec.rank,
-            step=spec.step,
-            phase=None,
-            fault_type=spec.fault_type,
-            injected_by="outside",
-            gen=gen,
-        )
+        self.events.emit("fault_injected", **injected_event(spec, "outside"), gen=gen)
         if spec.fault_type == "kill":
             os.kill(self.ranks[spec.rank].pid, signal.SIGKILL)
         elif spec.fault_type == "hang":
