@@ -63,7 +63,7 @@ def run_job(cfg: DictConfig) -> int:
         _error("refused", err)
         return EXIT_DOES_NOT_FIT
 
-    from ckless_lightning.checkpointing import resolve_resume
+    from ckless_lightning.checkpointing import checkpoint_step, resolve_resume
     from ckless_lightning.data import prepare_dataset
     from ckless_lightning.plan import resolve_accelerator
 
@@ -85,12 +85,12 @@ def run_job(cfg: DictConfig) -> int:
     print(plan.format())
     print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
     print(f"resuming from {resume}" if resume else "starting from step 0")
-    code = _run_agent(job, config_path)
+    code = _run_agent(job, config_path, prepared.path, checkpoint_step(resume) if resume else 0)
     _report(job, run_dir, code)
     return code
 
 
-def _run_agent(job: Any, config_path: Path) -> int:
+def _run_agent(job: Any, config_path: Path, prepared_path: Path, start_step: int) -> int:
     from ckless_lightning.agent.node_agent import NodeAgent
 
     def _terminate(signum: int, frame: Any) -> None:
@@ -98,7 +98,7 @@ def _run_agent(job: Any, config_path: Path) -> int:
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return NodeAgent(job, config_path).run()
+        return NodeAgent(job, config_path, prepared_path=prepared_path, start_step=start_step or 0).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -243,7 +243,7 @@ class CommConfig:
             )
 
 
-AVAILABLE_TIERS = (0, 1)
+AVAILABLE_TIERS = (0, 1, 2)
 
 
 @dataclass
@@ -272,8 +272,10 @@ class JobConfig:
         if self.tier not in AVAILABLE_TIERS:
             raise ValueError(
                 f"tier={self.tier} is not available yet (available: {', '.join(map(str, AVAILABLE_TIERS))}); "
-                "tier 2 (mmap data), 3 (in-process recovery) and 4 (checkpointless) come with their issues"
+                "tier 3 (in-process recovery) and 4 (checkpointless) come with their issues"
             )
+        if self.tier >= 2 and not self.data.mmap_cache:
+            raise ValueError(f"tier={self.tier} includes the batch cache: data.mmap_cache must stay true")
         self.fault.validate_against(
             world_size=self.cluster.world_size,
             nnodes=self.cluster.nnodes,

@@ -11,16 +11,15 @@ resolved YAML that ``launch.py`` writes into the run directory (also with
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
 
+from ckless_lightning._process import die_with_parent
+
 __all__ = ["EXIT_PEER_FAILED", "RankContext", "die_with_launcher", "main"]
 
-_PR_SET_PDEATHSIG = 1
 # Exit code of a rank whose collective failed because a peer went away: the agent
 # then blames the peer (killed, hung or raising) rather than this rank.
 EXIT_PEER_FAILED = 3
@@ -37,19 +36,10 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 def die_with_launcher() -> None:
-    """When started by the agent, get SIGKILL if the agent dies, so no rank outlives its job.
-
-    The agent passes its pid in CKLESS_LAUNCHER_PID; if it is already gone
-    (we were reparented before prctl ran), exit at once.
-    """
+    """When started by the agent (CKLESS_LAUNCHER_PID), die with it, so no rank outlives its job."""
     launcher = os.environ.get("CKLESS_LAUNCHER_PID")
-    if launcher is None or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != int(launcher):
-        sys.exit("the agent exited before this rank started")
+    if launcher is not None:
+        die_with_parent(int(launcher))
 
 
 @dataclass(frozen=True)
@@ -62,6 +52,7 @@ class RankContext:
     store_addr: str | None = None  # the agent's job store (heartbeats; tier 1 process groups)
     store_port: int | None = None
     agent_pid: int | None = None
+    batch_cache: str | None = None  # tier 2: this node's batch cache directory
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> RankContext:
@@ -76,6 +67,7 @@ class RankContext:
             store_addr=env.get("CKLESS_STORE_ADDR"),
             store_port=int(store_port) if store_port else None,
             agent_pid=int(agent_pid) if agent_pid else None,
+            batch_cache=env.get("CKLESS_BATCH_CACHE"),
         )
 
 

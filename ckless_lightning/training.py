@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from ckless_lightning.callbacks import DataPositionCallback, LossHistoryCallback, StepStatsCallback
 from ckless_lightning.callbacks.fault_injection import FaultInjectionCallback
 from ckless_lightning.callbacks.heartbeat import HeartbeatCallback
+from ckless_lightning.callbacks.sample_log import SampleLogCallback
 from ckless_lightning.callbacks.timeline import TimelineCallback
 from ckless_lightning.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
 from ckless_lightning.comm import JobStore, connect_store
@@ -74,6 +75,8 @@ def build_trainer(
                 save_on_train_epoch_end=False,
             )
         )
+    if job.data.record_samples:
+        all_callbacks.append(SampleLogCallback(run_dir / "samples"))
     all_callbacks.extend(callbacks or [])
     trainer_cfg = job.trainer
     return pl.Trainer(
@@ -105,9 +108,13 @@ def build_module(job: JobConfig) -> CausalLMModule:
     )
 
 
-def build_datamodule(job: JobConfig) -> TokenDataModule:
+def build_datamodule(job: JobConfig, batch_cache: str | None = None) -> TokenDataModule:
     return TokenDataModule(
-        job.data, accumulate_grad_batches=job.accumulate_grad_batches, max_steps=job.trainer.max_steps
+        job.data,
+        accumulate_grad_batches=job.accumulate_grad_batches,
+        max_steps=job.trainer.max_steps,
+        batch_cache=batch_cache,
+        cache_timeout_s=job.agent.startup_timeout,
     )
 
 
@@ -174,7 +181,7 @@ def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
     )
     trainer = build_trainer(job, callbacks=callbacks, strategy=strategy)
     module = build_module(job)
-    trainer.fit(module, datamodule=build_datamodule(job), ckpt_path=ckpt_path)
+    trainer.fit(module, datamodule=build_datamodule(job, context.batch_cache), ckpt_path=ckpt_path)
     if job.checkpoint.save_final:
         final = Path(job.checkpoint.dir) / checkpoint_name(trainer.global_step)
         if not is_complete_checkpoint(final):

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckless_lightning.agent.batch_cache_service import BatchCacheService
 from ckless_lightning.agent.processes import RankProcess, RankSpec, SparePool
 from ckless_lightning.comm import Heartbeat, JobStore, connect_store
 from ckless_lightning.config import JobConfig
@@ -69,7 +70,11 @@ def _free_port() -> int:
 class NodeAgent:
     """Supervises this node's ranks for the whole job. ``run()`` returns the process exit code."""
 
-    def __init__(self, job: JobConfig, config_path: Path) -> None:
+    def __init__(
+        self, job: JobConfig, config_path: Path, *, prepared_path: Path, start_step: int = 0
+    ) -> None:
+        """``prepared_path``: the packed dataset (tier 2's reader reads it); ``start_step``: the
+        optimizer step the job resumes from."""
         self.job = job
         self.cluster = job.cluster
         self.cfg = job.agent
@@ -92,6 +97,7 @@ class NodeAgent:
         self.store: JobStore | None = None
         self._lost_nodes: set[int] = set()
         self.store_port = 0
+        self.batch_cache = BatchCacheService(job, prepared_path, self.local_ranks, self.events, start_step)
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -109,6 +115,7 @@ class NodeAgent:
                 nnodes=self.cluster.nnodes,
             )
         try:
+            self.batch_cache.start()
             return self._supervise()
         except KeyboardInterrupt as interrupt:
             signum = int(interrupt.args[0]) if interrupt.args else int(signal.SIGINT)
@@ -120,6 +127,7 @@ class NodeAgent:
         finally:
             self._stop_ranks(graceful=False)
             self.spares.close()
+            self.batch_cache.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
 
     def _supervise(self) -> int:
@@ -178,6 +186,7 @@ class NodeAgent:
                 generation=gen,
                 store_addr=self.cluster.master_addr,
                 store_port=self.store_port,
+                batch_cache=str(self.batch_cache.root) if self.batch_cache.root else None,
             )
             self.store.set_rank_heartbeat(rank, Heartbeat(gen, -1, time.time()))
             spare = self.spares.take()
@@ -238,6 +247,7 @@ class NodeAgent:
                 return _Outcome("fault")
             if self._lost_node(gen, now):
                 return _Outcome("fault")
+            self.batch_cache.keep_running()
             if not spares_filled and all(beat.step >= 0 for beat in beats.values()):
                 self.spares.fill()  # refill once training runs again, not while ranks start
                 spares_filled = True

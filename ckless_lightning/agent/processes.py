@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-__all__ = ["RankProcess", "RankSpec", "SparePool", "signal_session"]
+__all__ = ["RankProcess", "RankSpec", "SparePool", "base_env", "signal_session"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class RankSpec:
     generation: int
     store_addr: str
     store_port: int
+    batch_cache: str | None = None  # tier 2: the node's batch cache directory
 
     def env(self) -> dict[str, str]:
         # The variables torchrun sets (Lightning's TorchElasticEnvironment reads them), plus ours.
@@ -50,6 +51,7 @@ class RankSpec:
             "CKLESS_GENERATION": str(self.generation),
             "CKLESS_STORE_ADDR": self.store_addr,
             "CKLESS_STORE_PORT": str(self.store_port),
+            **({"CKLESS_BATCH_CACHE": self.batch_cache} if self.batch_cache else {}),
         }
 
 
@@ -61,7 +63,7 @@ def signal_session(pid: int, sig: signal.Signals) -> None:
         return
 
 
-def _base_env() -> dict[str, str]:
+def base_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "CKLESS_LAUNCHER_PID": str(os.getpid())}
 
 
@@ -83,7 +85,7 @@ class RankProcess:
 
     @classmethod
     def spawn(cls, spec: RankSpec, command: list[str], log_dir: Path) -> RankProcess:
-        env = {**_base_env(), **spec.env(), "CKLESS_SPAWN_TIME": f"{time.time():.6f}"}
+        env = {**base_env(), **spec.env(), "CKLESS_SPAWN_TIME": f"{time.time():.6f}"}
         proc = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -155,7 +157,7 @@ class SparePool:
             self._spares.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "ckless_lightning.spare"],
-                    env=_base_env(),
+                    env=base_env(),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

@@ -20,17 +20,14 @@ rank's micro-batch. All integers little-endian. A 64-byte header::
 
 then the payload: ``input_ids`` int32 ``[n_ranks, micro_batch_size, row_len]``, zero
 padding to a multiple of 8 bytes, ``sample_ids`` int64 ``[n_ranks, micro_batch_size]``.
-blake2b rather than crc32: it costs the same on entries this small (well under a ms) and
-catches any corruption, not only burst errors, and it also covers the header fields.
+blake2b, not crc32: it catches any corruption, not only burst errors, at ~0.7 ms per 512 KiB
+entry (crc32 ~0.1 ms), which is noise next to a training step.
 
 An entry is written to ``root/.tmp-<pid>-<step>`` and renamed into place, so it is visible
-only when complete: a writer killed mid-write leaves a temp file, which readers never
-open and the writer's next start deletes (``clean_temp``). No fsync: the cache lives in
-RAM (``/dev/shm``) and dies with the node anyway; atomicity against a killed process is
-what matters, and the rename gives it.
-
-Consumers tell the reader where they are with ``want.<local_index>`` files (see
-:meth:`BatchCacheReader.request`).
+only when complete: a killed writer leaves a temp file, which readers never open and the
+writer's next start deletes (``clean_temp``). No fsync: the cache is in RAM and dies with
+the node; the rename is what makes it safe against a killed process. Consumers tell the
+reader where they are with ``want.<local_index>`` files (:meth:`BatchCacheReader.request`).
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ import shutil
 import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,7 +150,8 @@ class CorruptEntryError(Exception):
 
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(
-            f"batch cache entry {path} is corrupt: {reason}; delete it and the node's cache reader rebuilds it"
+            f"batch cache entry {path} is corrupt: {reason}; "
+            "delete it and the node's cache reader rebuilds it"
         )
         self.path = path
         self.reason = reason
@@ -200,7 +198,9 @@ def create_cache_dir(base: Path, job_id: str, node: int) -> Path:
         raise ValueError(f"node={node!r} must be a non-negative integer.")
     base = Path(base)
     if not base.is_dir():
-        raise FileNotFoundError(f"batch cache base directory {base} does not exist; create it or pick another.")
+        raise FileNotFoundError(
+            f"batch cache base directory {base} does not exist; create it or pick another"
+        )
     job_dir = base / f"ckless-{job_id}"
     _private_dir(job_dir)
     node_dir = job_dir / f"node{node}"
@@ -218,11 +218,12 @@ def remove_cache_dir(base: Path, job_id: str) -> bool:
     return True
 
 
-def _load_entry(layout: BatchCacheLayout, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """Verified copies of an entry's ``input_ids`` [n, mbs, row_len] and ``sample_ids`` [n, mbs].
+def _load_entry(layout: BatchCacheLayout, step: int, local_index: int | None) -> tuple[np.ndarray, ...]:
+    """Verify ``step``'s entry; return int64 copies of ``local_index``'s ``input_ids``, ``sample_ids``.
 
-    Raises ``FileNotFoundError`` when absent and :class:`CorruptEntryError` when invalid.
-    The file is memory-mapped; only the caller's conversion copies.
+    ``local_index=None`` only verifies. Raises ``FileNotFoundError`` when the entry is absent
+    and :class:`CorruptEntryError` when it is invalid. The file is memory-mapped: the int64
+    conversion of the one micro-batch is the only copy.
     """
     path = layout.entry_path(step)
     with open(path, "rb") as f:
@@ -230,41 +231,34 @@ def _load_entry(layout: BatchCacheLayout, step: int) -> tuple[np.ndarray, np.nda
         if size < HEADER_SIZE:
             raise CorruptEntryError(path, f"truncated: {size} bytes, the header alone is {HEADER_SIZE}")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse(layout, step, path, mm, size)
-
-
-def _parse(
-    layout: BatchCacheLayout, step: int, path: Path, mm: mmap.mmap, size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    magic, version, n_ranks, e_step, mbs, row_len, payload, tag = _FIELDS.unpack_from(mm, 0)
-    if magic != MAGIC:
-        raise CorruptEntryError(path, f"bad magic {magic!r}")
-    if version != ENTRY_VERSION:
-        raise CorruptEntryError(path, f"format version {version}, this code reads {ENTRY_VERSION}")
-    want = (step, layout.n_ranks, layout.micro_batch_size, layout.row_len, layout.payload_nbytes)
-    got = (e_step, n_ranks, mbs, row_len, payload)
-    if got != want:
-        raise CorruptEntryError(
-            path, f"header (step, n_ranks, micro_batch_size, row_len, payload bytes)={got}, expected {want}"
-        )
-    if tag != layout._tag_digest():
-        raise CorruptEntryError(path, f"written for another data source (expected tag {layout.source_tag!r})")
-    if size != HEADER_SIZE + payload:
-        raise CorruptEntryError(path, f"{size} bytes, expected {HEADER_SIZE + payload}")
-    view = memoryview(mm)
-    try:
-        digest = hashlib.blake2b(view[: _FIELDS.size], digest_size=_DIGEST_SIZE)
-        digest.update(view[HEADER_SIZE:])
-        if digest.digest() != bytes(view[_FIELDS.size : HEADER_SIZE]):
-            raise CorruptEntryError(path, "payload checksum mismatch")
-        n, m, r = layout.n_ranks, layout.micro_batch_size, layout.row_len
-        ids = np.frombuffer(mm, dtype=_INT32, count=n * m * r, offset=HEADER_SIZE).reshape(n, m, r)
-        sids = np.frombuffer(mm, dtype=_INT64, count=n * m, offset=HEADER_SIZE + layout.input_nbytes)
-        out = ids.astype(np.int64), sids.reshape(n, m).copy()
-        del ids, sids  # drop the exports so the mapping can close
-        return out
-    finally:
-        view.release()
+            magic, version, n_ranks, e_step, mbs, row_len, payload, tag = _FIELDS.unpack_from(mm, 0)
+            if magic != MAGIC:
+                raise CorruptEntryError(path, f"bad magic {magic!r}")
+            if version != ENTRY_VERSION:
+                raise CorruptEntryError(path, f"format version {version}, this code reads {ENTRY_VERSION}")
+            n, m, r = layout.n_ranks, layout.micro_batch_size, layout.row_len
+            if (e_step, n_ranks, mbs, row_len, payload) != (step, n, m, r, layout.payload_nbytes):
+                raise CorruptEntryError(
+                    path,
+                    f"header says step {e_step}, {n_ranks} ranks x {mbs} x {row_len}, {payload} payload "
+                    f"bytes; expected step {step}, {n} x {m} x {r}, {layout.payload_nbytes} bytes",
+                )
+            if tag != layout._tag_digest():
+                raise CorruptEntryError(path, f"written for another data source (not {layout.source_tag!r})")
+            if size != HEADER_SIZE + payload:
+                raise CorruptEntryError(path, f"{size} bytes, expected {HEADER_SIZE + payload}")
+            with memoryview(mm) as view:
+                digest = hashlib.blake2b(view[: _FIELDS.size], digest_size=_DIGEST_SIZE)
+                digest.update(view[HEADER_SIZE:])
+                if digest.digest() != view[_FIELDS.size : HEADER_SIZE]:
+                    raise CorruptEntryError(path, "payload checksum mismatch")
+            if local_index is None:
+                return ()
+            row = HEADER_SIZE + local_index * m * r * _INT32.itemsize
+            ids = np.frombuffer(mm, dtype=_INT32, count=m * r, offset=row).astype(np.int64).reshape(m, r)
+            offset = HEADER_SIZE + layout.input_nbytes + local_index * m * _INT64.itemsize
+            sids = np.frombuffer(mm, dtype=_INT64, count=m, offset=offset).copy()  # copies: mapping can close
+            return ids, sids
 
 
 class BatchCacheWriter:
@@ -286,7 +280,7 @@ class BatchCacheWriter:
     def verify(self, step: int) -> bool:
         """Whether a complete, valid entry for ``step`` exists."""
         try:
-            _load_entry(self.layout, step)
+            _load_entry(self.layout, step, None)
         except (FileNotFoundError, CorruptEntryError):
             return False
         return True
@@ -332,14 +326,12 @@ class BatchCacheWriter:
                 )
             ids[i] = x.numpy()
             sids[i] = s.numpy()
-        payload = bytearray(lay.payload_nbytes)
-        payload[: ids.nbytes] = ids.tobytes()
-        payload[lay.input_nbytes :] = sids.tobytes()
+        payload = ids.tobytes() + bytes(lay.input_nbytes - ids.nbytes) + sids.tobytes()
         fields = _FIELDS.pack(MAGIC, ENTRY_VERSION, n, step, m, r, len(payload), lay._tag_digest())
         digest = hashlib.blake2b(fields, digest_size=_DIGEST_SIZE)
         digest.update(payload)
         header = fields + digest.digest()
-        return header + bytes(HEADER_SIZE - len(header)) + bytes(payload)
+        return header + bytes(HEADER_SIZE - len(header)) + payload
 
     def entry_steps(self) -> list[int]:
         """Steps that have an entry file (valid or not), ascending."""
@@ -347,25 +339,21 @@ class BatchCacheWriter:
 
     def evict_before(self, step: int) -> int:
         """Delete entries of steps below ``step``; returns how many were removed."""
-        return self.evict(lambda s: s < step)
+        return self.evict_except(range(step, 2**63))
 
-    def evict(self, drop: Callable[[int], bool]) -> int:
-        """Delete the entries whose step ``drop`` selects; returns how many were removed."""
-        removed = 0
-        for s in self.entry_steps():
-            if drop(s):
-                self.layout.entry_path(s).unlink(missing_ok=True)
-                removed += 1
-        return removed
+    def evict_except(self, keep: Collection[int]) -> int:
+        """Delete every entry whose step is not in ``keep``; returns how many were removed."""
+        drop = [s for s in self.entry_steps() if s not in keep]
+        for s in drop:
+            self.layout.entry_path(s).unlink(missing_ok=True)
+        return len(drop)
 
     def clean_temp(self) -> int:
         """Remove temp files left by a killed writer; call before writing, with no other writer running."""
-        removed = 0
-        for name in os.listdir(self.layout.root):
-            if name.startswith(".tmp-"):
-                (self.layout.root / name).unlink(missing_ok=True)
-                removed += 1
-        return removed
+        temps = [name for name in os.listdir(self.layout.root) if name.startswith(".tmp-")]
+        for name in temps:
+            (self.layout.root / name).unlink(missing_ok=True)
+        return len(temps)
 
 
 class BatchCacheReader:
@@ -385,12 +373,8 @@ class BatchCacheReader:
         :class:`CorruptEntryError` if it fails verification.
         """
         local_index = self.layout._check_local(local_index)
-        ids, sids = _load_entry(self.layout, step)
-        return {
-            "input_ids": torch.from_numpy(ids[local_index]),
-            "sample_ids": torch.from_numpy(sids[local_index]),
-            "step": step,
-        }
+        ids, sids = _load_entry(self.layout, step, local_index)
+        return {"input_ids": torch.from_numpy(ids), "sample_ids": torch.from_numpy(sids), "step": step}
 
     def wait_read(
         self,
@@ -416,7 +400,7 @@ class BatchCacheReader:
                 elapsed = time.monotonic() - started
             if elapsed >= timeout_s:
                 raise TimeoutError(
-                    f"batch cache entry {self.layout.entry_path(step)} did not appear within {timeout_s:.1f}s; "
+                    f"batch cache entry {self.layout.entry_path(step)} did not appear in {timeout_s:.1f}s; "
                     "is the node's cache reader (python -m ckless_lightning.data.cache_reader) running?"
                 )
             if on_wait is not None and not notified and elapsed >= _WAIT_NOTICE_S:

@@ -31,6 +31,12 @@ class DataConfig:
     seed: int = 1234
     max_source_bytes: int | None = None
     num_proc: int = 1
+    # Tier 2: a per-node batch cache in shared memory, filled ahead by one reader per node.
+    mmap_cache: bool = False
+    mmap_cache_base: str = "/dev/shm"
+    prefetch: int = 8  # loader steps the reader keeps ready ahead of the slowest rank
+    lookback: int = 4  # loader steps kept behind it, for replays after a rollback
+    record_samples: bool = False  # write each rank's sample ids per step to <run_dir>/samples/
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -44,7 +50,7 @@ class DataConfig:
             )
         if not self.text_column:
             raise ValueError("data.text_column is empty; set it to the name of the column holding the text.")
-        for key in ("seq_len", "micro_batch_size", "num_proc"):
+        for key in ("seq_len", "micro_batch_size", "num_proc", "prefetch"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"data.{key}={value!r} must be a positive integer.")
@@ -62,5 +68,7 @@ class DataConfig:
                     "data.max_source_bytes only caps the built-in corpus (data.source=null); "
                     f"remove it or trim data.source={self.source!r} yourself."
                 )
+        if isinstance(self.lookback, bool) or not isinstance(self.lookback, int) or self.lookback < 0:
+            raise ValueError(f"data.lookback={self.lookback!r} must be a non-negative integer.")
         if not self.cache_dir:
             raise ValueError("data.cache_dir is empty; set it to a writable directory.")

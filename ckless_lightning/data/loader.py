@@ -68,6 +68,7 @@ class StepBatchLoader:
         dp_size: int,
         start_step: int = 0,
         max_steps: int | None = None,
+        num_samples: int | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"data.micro_batch_size={micro_batch_size} must be positive.")
@@ -81,7 +82,9 @@ class StepBatchLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.max_steps = max_steps
-        self.num_samples = len(dataset)
+        # A subclass that serves batches from elsewhere (the tier-2 batch cache) passes
+        # ``num_samples`` and no dataset; the epoch arithmetic stays the same.
+        self.num_samples = len(dataset) if num_samples is None else num_samples
         self.global_batch_size = micro_batch_size * dp_size
         self.steps_per_epoch = self.num_samples // self.global_batch_size
         if self.steps_per_epoch == 0:

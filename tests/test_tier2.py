@@ -1,0 +1,154 @@
+"""Tier 2 through launch.py: the node's batch cache, exactly-once samples, and cleanup.
+
+Runs as in test_agent.py: llama3_tiny, 12 steps, checkpoint every 5, faults in
+step 8. Every run records the sample ids each rank trained on per step; a
+recovered run must have trained every step on exactly the samples of the
+fault-free run (the last record of a step wins, as a replayed step overwrites).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from checkpoint_utils import assert_bitwise_equal, load_full_checkpoint
+from conftest import ROOT, launch_job
+
+from ckless_lightning.callbacks.sample_log import read_sample_log
+from ckless_lightning.checkpointing import checkpoint_name
+from ckless_lightning.events import read_events
+from ckless_lightning.loss_log import read_losses
+
+STEPS = 12
+COMMON = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=5", "data.record_samples=true")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache) -> Path:
+    """Fault-free, without the cache (tier 0): the order the cache must reproduce."""
+    run = tmp_path_factory.mktemp("reference")
+    launch_job(run, data_cache, *COMMON)
+    return run
+
+
+def samples(run: Path) -> dict[int, dict]:
+    return {r: read_sample_log(run / "samples" / f"rank{r}.jsonl") for r in range(4)}
+
+
+def assert_same_training(run: Path, reference: Path, scratch: Path) -> None:
+    expected = samples(reference)
+    assert sorted(expected[0]) == [(step, 0) for step in range(1, STEPS + 1)]
+    assert samples(run) == expected
+    seen = [sid for per_rank in expected.values() for ids in per_rank.values() for sid in ids]
+    assert len(seen) == len(set(seen)), "a sample repeated within the epoch"
+    assert read_losses(run / "losses.jsonl") == read_losses(reference / "losses.jsonl")
+    final = checkpoint_name(STEPS)
+    assert_bitwise_equal(
+        load_full_checkpoint(run / "checkpoints" / final, scratch),
+        load_full_checkpoint(reference / "checkpoints" / final, scratch),
+    )
+
+
+def cache_overrides(base: Path) -> tuple[str, ...]:
+    base.mkdir(parents=True, exist_ok=True)
+    return ("tier=2", f"data.mmap_cache_base={base}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", ["kill", "exception"])
+def test_rank_fault_reads_the_same_samples(tmp_path, data_cache, reference, fault):
+    run, base = tmp_path / "run", tmp_path / "shm"
+    launch_job(
+        run, data_cache, *COMMON, *cache_overrides(base), f"fault={fault}", "fault.rank=2", "fault.step=8"
+    )
+    assert_same_training(run, reference, tmp_path)
+    assert [e["kind"] for e in read_events(run / "events.jsonl")].count("reader_started") == 1
+    assert not list(base.iterdir()), "the batch cache outlived the job"
+
+
+@pytest.mark.timeout(600)
+def test_restart_outside_the_window_refills(tmp_path, data_cache, reference):
+    """prefetch 2, lookback 0: the resumed step 5 is long gone from the cache when step 8 fails."""
+    run, base = tmp_path / "run", tmp_path / "shm"
+    overrides = ("data.prefetch=2", "data.lookback=0", "fault=kill", "fault.rank=1", "fault.step=8")
+    launch_job(run, data_cache, *COMMON, *cache_overrides(base), *overrides)
+    assert_same_training(run, reference, tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_reader_killed_mid_run_is_restarted(tmp_path, data_cache, reference):
+    run, base = tmp_path / "run", tmp_path / "shm"
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            f"hydra.run.dir={run}",
+            f"data.cache_dir={data_cache}",
+            "data.max_source_bytes=2000000",
+            "trainer.enable_progress_bar=false",
+            "fault=none",
+            *COMMON,
+            *cache_overrides(base),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "losses.jsonl").exists() or len(read_losses(run / "losses.jsonl")) < 4:
+            assert job.poll() is None and time.monotonic() < deadline, "training did not reach step 4"
+            time.sleep(0.2)
+        (started,) = [e for e in read_events(run / "events.jsonl") if e["kind"] == "reader_started"]
+        subprocess.run(["kill", "-KILL", str(started["pid"])], check=True)
+        _, stderr = job.communicate(timeout=240)
+        assert job.returncode == 0, stderr[-3000:]
+    finally:
+        job.kill()
+    kinds = [e["kind"] for e in read_events(run / "events.jsonl")]
+    assert kinds.count("reader_started") == 2 and "reader_restarted" in kinds
+    assert_same_training(run, reference, tmp_path)
+    assert not list(base.iterdir())
+
+
+@pytest.mark.timeout(900)
+def test_two_concurrent_jobs_have_separate_caches(tmp_path, data_cache, reference):
+    base = tmp_path / "shm"
+    runs = [tmp_path / "a", tmp_path / "b"]
+    jobs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "launch.py"),
+                f"hydra.run.dir={run}",
+                f"data.cache_dir={data_cache}",
+                "data.max_source_bytes=2000000",
+                "trainer.enable_progress_bar=false",
+                "fault=none",
+                *COMMON,
+                *cache_overrides(base),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for run in runs
+    ]
+    try:
+        results = [job.communicate(timeout=400) for job in jobs]
+    finally:
+        for job in jobs:
+            job.send_signal(signal.SIGKILL)
+    assert [job.returncode for job in jobs] == [0, 0], [err[-2000:] for _, err in results]
+    roots = [
+        next(e["root"] for e in read_events(run / "events.jsonl") if e["kind"] == "reader_started")
+        for run in runs
+    ]
+    assert roots[0] != roots[1] and Path(roots[0]).parent != Path(roots[1]).parent
+    for run in runs:
+        assert_same_training(run, reference, tmp_path)
+    assert not list(base.iterdir()), "a job's batch cache was left behind"
