@@ -255,9 +255,17 @@ class NodeAgent:
             time.sleep(self.cfg.monitor_interval)
 
     def _report_hang(self, gen: int, stale: list[int], beats: dict[int, Heartbeat]) -> None:
-        """Kill the hung rank and say so. When a rank hangs, its peers soon block in a collective and go
-        stale too: blame a stopped process (state T) first, else the rank that beat least recently."""
-        rank = min(stale, key=lambda r: (_process_state(self.ranks[r].pid) != "T", beats[r].time, r))
+        """Kill the hung rank and say so.
+
+        When a rank hangs, its peers block in the next collective and go stale
+        too, possibly before it (they beat earlier). Blame a stopped process
+        (state T) first, stale or not, else the stale rank that beat least
+        recently; a rank that hangs while running cannot be told from peers
+        blocked on it, which matters for the report only (all ranks restart).
+        """
+        stopped = [r for r, p in self.ranks.items() if p.poll() is None and _process_state(p.pid) == "T"]
+        candidates = sorted(set(stale) | set(stopped))
+        rank = min(candidates, key=lambda r: (r not in stopped, beats[r].time, r))
         beat = beats[rank]
         self.ranks[rank].kill()
         self.events.emit(
