@@ -114,21 +114,25 @@ class NodeAgent:
                 world_size=self.cluster.world_size,
                 nnodes=self.cluster.nnodes,
             )
+        code = 1
         try:
             self.batch_cache.start()
-            return self._supervise()
+            code = self._supervise()
         except KeyboardInterrupt as interrupt:
             signum = int(interrupt.args[0]) if interrupt.args else int(signal.SIGINT)
             self._stop_ranks(graceful=True)
             print(
                 f"interrupted: stopped all {len(self.local_ranks)} ranks of node {self.node}", file=sys.stderr
             )
-            return 128 + signum
+            code = 128 + signum
         finally:
+            if is_host:
+                self.events.emit("job_end", exit_code=code)
             self._stop_ranks(graceful=False)
             self.spares.close()
             self.batch_cache.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
+        return code
 
     def _supervise(self) -> int:
         assert self.store is not None
@@ -405,5 +409,4 @@ class NodeAgent:
                 return _Outcome("generation", current)
             self.store.set_agent_heartbeat(self.node, gen)
             time.sleep(self.cfg.monitor_interval)
-        self.events.emit("job_end", exit_code=0, gen=gen)
         return _Outcome("done")
