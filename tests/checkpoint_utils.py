@@ -47,3 +47,18 @@ def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> int:
         else:
             assert x == y, f"{key}: {x!r} != {y!r}"
     return elements
+
+
+def assert_same_run(run: Path, reference: Path, scratch: Path, steps: int) -> None:
+    """``run`` ended bitwise equal to ``reference``: every step's loss, final weights and optimizer state."""
+    from ckless_lightning.checkpointing import checkpoint_name
+    from ckless_lightning.loss_log import read_losses
+
+    losses, expected = read_losses(run / "losses.jsonl"), read_losses(reference / "losses.jsonl")
+    assert sorted(expected) == list(range(1, steps + 1))
+    assert losses == expected
+    final = checkpoint_name(steps)
+    assert_bitwise_equal(
+        load_full_checkpoint(run / "checkpoints" / final, scratch),
+        load_full_checkpoint(reference / "checkpoints" / final, scratch),
+    )

@@ -47,31 +47,33 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data_cache")
 
 
-def launch_job(
-    run_dir: Path, data_cache: Path, *overrides: str, expect: int | None = 0, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
+def launch_command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
     """``python launch.py`` as a user runs it, on a 2 MB slice of the built-in corpus, no progress bar.
 
     Without a ``fault=...`` override the run has no fault (``fault=none``: the
     default recipe's demo fault is off).
+    """
+    return [
+        sys.executable,
+        str(ROOT / "launch.py"),
+        f"hydra.run.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        "data.max_source_bytes=2000000",
+        "trainer.enable_progress_bar=false",
+        *([] if any(o.startswith("fault=") for o in overrides) else ["fault=none"]),
+        *overrides,
+    ]
 
-    Asserts the exit code when ``expect`` is not None. ``subprocess.run`` kills
-    launch.py on timeout, and its ranks die with it (PR_SET_PDEATHSIG).
+
+def launch_job(
+    run_dir: Path, data_cache: Path, *overrides: str, expect: int | None = 0, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run :func:`launch_command` to the end; assert the exit code when ``expect`` is not None.
+
+    ``subprocess.run`` kills launch.py on timeout, and its ranks die with it (PR_SET_PDEATHSIG).
     """
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            f"hydra.run.dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "data.max_source_bytes=2000000",
-            "trainer.enable_progress_bar=false",
-            *([] if any(o.startswith("fault=") for o in overrides) else ["fault=none"]),
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        launch_command(run_dir, data_cache, *overrides), capture_output=True, text=True, timeout=timeout
     )
     if expect is not None:
         assert result.returncode == expect, (

@@ -11,18 +11,15 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from checkpoint_utils import assert_bitwise_equal, load_full_checkpoint
-from conftest import ROOT, launch_job
+from checkpoint_utils import assert_same_run
+from conftest import launch_command, launch_job
 
-from ckless_lightning.checkpointing import checkpoint_name
 from ckless_lightning.events import read_events
-from ckless_lightning.loss_log import read_losses
 
 STEPS = 12
 COMMON = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=5", "agent.hang_timeout=8")
@@ -36,14 +33,7 @@ def reference(tmp_path_factory, data_cache) -> Path:
 
 
 def assert_same_training(run: Path, reference: Path, scratch: Path) -> None:
-    losses, expected = read_losses(run / "losses.jsonl"), read_losses(reference / "losses.jsonl")
-    assert sorted(expected) == list(range(1, STEPS + 1))
-    assert losses == expected
-    final = checkpoint_name(STEPS)
-    assert_bitwise_equal(
-        load_full_checkpoint(run / "checkpoints" / final, scratch),
-        load_full_checkpoint(reference / "checkpoints" / final, scratch),
-    )
+    assert_same_run(run, reference, scratch, STEPS)
 
 
 def events_of(run: Path, kind: str) -> list[dict]:
@@ -151,21 +141,9 @@ def test_fault_budget_spent_exits_75_and_leaves_nothing(tmp_path, data_cache):
 
 
 def start_node(run: Path, data_cache: Path, node: int, port: int, *overrides: str) -> subprocess.Popen[str]:
+    two_nodes = ("cluster.nnodes=2", "cluster.nproc_per_node=2", f"cluster.node_rank={node}")
     return subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            f"hydra.run.dir={run}",
-            f"data.cache_dir={data_cache}",
-            "data.max_source_bytes=2000000",
-            "trainer.enable_progress_bar=false",
-            "cluster.nnodes=2",
-            "cluster.nproc_per_node=2",
-            f"cluster.node_rank={node}",
-            f"cluster.master_port={port}",
-            *COMMON,
-            *overrides,
-        ],
+        launch_command(run, data_cache, *two_nodes, f"cluster.master_port={port}", *COMMON, *overrides),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

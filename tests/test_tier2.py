@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from checkpoint_utils import assert_bitwise_equal, load_full_checkpoint
-from conftest import ROOT, launch_job
+from checkpoint_utils import assert_same_run
+from conftest import launch_command, launch_job
 
 from ckless_lightning.callbacks.sample_log import read_sample_log
-from ckless_lightning.checkpointing import checkpoint_name
 from ckless_lightning.events import read_events
 from ckless_lightning.loss_log import read_losses
 
@@ -45,12 +43,7 @@ def assert_same_training(run: Path, reference: Path, scratch: Path) -> None:
     assert samples(run) == expected
     seen = [sid for per_rank in expected.values() for ids in per_rank.values() for sid in ids]
     assert len(seen) == len(set(seen)), "a sample repeated within the epoch"
-    assert read_losses(run / "losses.jsonl") == read_losses(reference / "losses.jsonl")
-    final = checkpoint_name(STEPS)
-    assert_bitwise_equal(
-        load_full_checkpoint(run / "checkpoints" / final, scratch),
-        load_full_checkpoint(reference / "checkpoints" / final, scratch),
-    )
+    assert_same_run(run, reference, scratch, STEPS)
 
 
 def cache_overrides(base: Path) -> tuple[str, ...]:
@@ -83,17 +76,7 @@ def test_restart_outside_the_window_refills(tmp_path, data_cache, reference):
 def test_reader_killed_mid_run_is_restarted(tmp_path, data_cache, reference):
     run, base = tmp_path / "run", tmp_path / "shm"
     job = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "launch.py"),
-            f"hydra.run.dir={run}",
-            f"data.cache_dir={data_cache}",
-            "data.max_source_bytes=2000000",
-            "trainer.enable_progress_bar=false",
-            "fault=none",
-            *COMMON,
-            *cache_overrides(base),
-        ],
+        launch_command(run, data_cache, *COMMON, *cache_overrides(base)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -121,17 +104,7 @@ def test_two_concurrent_jobs_have_separate_caches(tmp_path, data_cache, referenc
     runs = [tmp_path / "a", tmp_path / "b"]
     jobs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "launch.py"),
-                f"hydra.run.dir={run}",
-                f"data.cache_dir={data_cache}",
-                "data.max_source_bytes=2000000",
-                "trainer.enable_progress_bar=false",
-                "fault=none",
-                *COMMON,
-                *cache_overrides(base),
-            ],
+            launch_command(run, data_cache, *COMMON, *cache_overrides(base)),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

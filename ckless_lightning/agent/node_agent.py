@@ -52,6 +52,16 @@ class _Outcome:
     generation: int | None = None
 
 
+def _blame_class(code: int) -> int:
+    """Order of suspicion for a rank's exit code: 0 killed (not SIGABRT), 1 its own error, 2 SIGABRT,
+    3 lost a peer."""
+    if code == -signal.SIGABRT:
+        return 2
+    if code < 0:
+        return 0
+    return 3 if code == EXIT_PEER_FAILED else 1
+
+
 def _process_state(pid: int) -> str:
     """The state letter of ``/proc/<pid>/stat`` (R, S, D, T, Z...); "?" where unavailable."""
     try:
@@ -289,15 +299,17 @@ class NodeAgent:
     def _on_rank_failure(self, gen: int) -> _Outcome:
         """Blame one rank: killed by a signal, else failed by itself, before one that lost a peer.
 
+        A rank whose peer vanished exits with EXIT_PEER_FAILED, or aborts
+        (SIGABRT) when gloo fails in one of its threads, so those come last.
         If every local failure is a lost peer, the culprit is on another node:
         give its agent a moment to report it and move the job on.
         """
         time.sleep(_SETTLE_S)
         failed = {rank: code for rank, proc in self.ranks.items() if (code := proc.poll()) not in (None, 0)}
-        rank = min(failed, key=lambda r: (failed[r] >= 0, failed[r] == EXIT_PEER_FAILED, r))
+        rank = min(failed, key=lambda r: (_blame_class(failed[r]), r))
         code = failed[rank]
         assert self.store is not None
-        if code == EXIT_PEER_FAILED and self.cluster.nnodes > 1:
+        if _blame_class(code) >= 2 and self.cluster.nnodes > 1:
             deadline = time.monotonic() + _PEER_REPORT_S
             while time.monotonic() < deadline:
                 if (current := self.store.generation()) > gen:
