@@ -243,7 +243,7 @@ class CommConfig:
             )
 
 
-AVAILABLE_TIERS = (0, 1, 2)
+AVAILABLE_TIERS = (0, 1, 2, 3)
 
 
 @dataclass
@@ -272,10 +272,25 @@ class JobConfig:
         if self.tier not in AVAILABLE_TIERS:
             raise ValueError(
                 f"tier={self.tier} is not available yet (available: {', '.join(map(str, AVAILABLE_TIERS))}); "
-                "tier 3 (in-process recovery) and 4 (checkpointless) come with their issues"
+                "tier 4 (checkpointless) comes with its issue"
             )
         if self.tier >= 2 and not self.data.mmap_cache:
             raise ValueError(f"tier={self.tier} includes the batch cache: data.mmap_cache must stay true")
+        if self.tier >= 3 and not self.comm.rootless:
+            raise ValueError(
+                f"tier={self.tier} rejoins through the agent's store: comm.rootless must stay true"
+            )
+        if self.tier < 3 and self.fault.enabled:
+            in_recovery = (
+                [s for s in self.fault.plan_entries() if s.phase == "recovery"]
+                if (self.fault.type == "plan")
+                else ([self.fault] if self.fault.phase == "recovery" and self.fault.type != "random" else [])
+            )
+            if in_recovery:
+                raise ValueError(
+                    f"fault.phase=recovery needs in-process recovery (tier >= 3), but tier={self.tier}: "
+                    "at tiers 0-2 no rank survives a fault to recover; choose another phase or tier=3"
+                )
         self.fault.validate_against(
             world_size=self.cluster.world_size,
             nnodes=self.cluster.nnodes,

@@ -21,7 +21,11 @@ line N of ``losses.jsonl``. The kinds and their fields:
     ``state_load_start``, ``state_load_done`` (step = the optimizer step restored,
     0 when starting fresh), ``data_ready`` (the first batch of this process
     fetched), ``first_step_done`` (step = the first optimizer step this process
-    completed). A phase a tier skips is not emitted.
+    completed). A phase a tier skips is not emitted. In-process recovery (tiers 3-4)
+    adds, before ``comm_init_start``: ``recovery_start`` (gen = the failed generation;
+    ``error``: what this rank saw), ``generation_left`` (its process group dropped),
+    ``generation_joined`` (gen = the new generation: every rank is in it), and
+    ``resume_chosen`` (``resumed_from``: the checkpoint, or "memory" at tier 4).
 ``fault_injected`` {rank, step, phase, fault_type, injected_by: "inside" | "outside"}
     A test fault hit ``rank`` during optimizer step ``step`` (its ``phase``:
     forward, backward, ...); steps 1..step-1 were complete.
@@ -33,7 +37,10 @@ last_step: int | None}
 ``ranks_stopped`` {gen, node, ranks}
     The agent of ``node`` stopped these ranks of generation ``gen``.
 ``generation`` {gen, reason}
-    The agent moved the job to generation ``gen``.
+    The job moved to generation ``gen`` (an agent, or at tiers 3-4 the first rank to leave).
+``commit_votes`` {rank, votes, vote_s, recoveries}
+    Tiers 3-4, at the end of a rank's training: how many commit votes it cast and
+    the seconds it spent in them, and how many in-process recoveries it went through.
 ``giveup`` {reason, exit_code}
     The agent stopped recovering (e.g. fault budget spent); the job exits with ``exit_code``.
 ``job_end`` {exit_code, final_step}
@@ -55,6 +62,7 @@ __all__ = [
     "EVENT_KINDS",
     "MAX_RECORD_BYTES",
     "RANK_PHASES",
+    "RECOVERY_PHASES",
     "EventLog",
     "read_events",
     "read_jsonl",
@@ -70,7 +78,10 @@ EVENT_KINDS = (
     "generation",
     "giveup",
     "job_end",
+    "commit_votes",
 )
+
+RECOVERY_PHASES = ("recovery_start", "generation_left", "generation_joined", "resume_chosen")
 
 RANK_PHASES = (
     "process_start",

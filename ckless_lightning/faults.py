@@ -18,14 +18,16 @@ from __future__ import annotations
 import math
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "FAULT_TYPES",
     "INJECTORS",
     "PHASES",
     "RANDOM_FAULT_TYPES",
+    "STEP_PHASES",
     "FaultConfig",
     "FaultSpec",
     "claim_fault",
@@ -34,8 +36,11 @@ __all__ = [
     "plan_faults",
 ]
 
-FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "random")
-PHASES = ("data", "forward", "backward", "grad_reduction", "optimizer")
+FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "random", "plan")
+# Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
+# then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4).
+STEP_PHASES = ("data", "forward", "backward", "grad_reduction", "commit", "optimizer")
+PHASES = (*STEP_PHASES, "recovery")
 INJECTORS = ("inside", "outside")
 # Types a random schedule may draw from (node_loss is targeted only: it names a node).
 RANDOM_FAULT_TYPES = ("kill", "hang", "exception")
@@ -50,7 +55,11 @@ class FaultConfig:
     """The ``fault:`` section. ``step`` is the N-th optimizer step (1-based) during which the fault fires.
 
     ``node`` is used by ``node_loss``; ``mtbf_steps``, ``seed``, ``max_faults`` and
-    ``types`` by ``random``. Checks that need the job's shape are in :meth:`validate_against`.
+    ``types`` by ``random``; ``plan`` by ``plan``: a list of faults, each a mapping of
+    this section's targeted keys (``type``, ``rank``, ``step``, ``phase``, ``injected_by``, ``node``).
+    A ``recovery``-phase fault of step N fires in the first in-process recovery (tiers 3-4)
+    that begins once the rank has started step N.
+    Checks that need the job's shape are in :meth:`validate_against`.
     """
 
     type: str = "none"
@@ -63,9 +72,11 @@ class FaultConfig:
     seed: int = 0
     max_faults: int = 3
     types: list[str] = field(default_factory=lambda: ["kill", "exception", "hang"])
+    plan: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.types = list(self.types)  # YAML gives a ListConfig or a tuple
+        self.plan = [dict(entry) for entry in self.plan]
         if self.type not in FAULT_TYPES:
             raise ValueError(f"fault.type must be one of {_choices(FAULT_TYPES)}, got {self.type!r}")
         if self.phase not in PHASES:
@@ -102,6 +113,35 @@ class FaultConfig:
                     "remove it from fault.types or use fault.injected_by=inside"
                 )
 
+        if self.type == "plan":
+            if not self.plan:
+                raise ValueError(
+                    "fault.type=plan needs fault.plan: a list of faults, e.g. "
+                    "'fault.plan=[{type:kill,rank:1,step:5},{type:exception,rank:2,step:9}]'"
+                )
+            self.plan_entries()  # validates each entry
+        elif self.plan:
+            raise ValueError(f"fault.plan is only read with fault.type=plan (fault.type={self.type})")
+
+    def plan_entries(self) -> list[FaultConfig]:
+        """``plan``'s entries as targeted FaultConfigs (each validated); ValueError naming the entry."""
+        allowed = {"type", "rank", "step", "phase", "injected_by", "node"}
+        entries = []
+        for i, entry in enumerate(self.plan):
+            unknown = sorted(set(entry) - allowed)
+            if unknown:
+                raise ValueError(f"fault.plan[{i}] has unknown keys {unknown}; allowed: {sorted(allowed)}")
+            if entry.get("type") in (None, "none", "random", "plan"):
+                raise ValueError(
+                    f"fault.plan[{i}].type must be one of kill | hang | exception | node_loss, "
+                    f"got {entry.get('type')!r}"
+                )
+            try:
+                entries.append(FaultConfig(**entry))
+            except ValueError as err:
+                raise ValueError(f"fault.plan[{i}]: {err}") from err
+        return entries
+
     @property
     def enabled(self) -> bool:
         return self.type != "none"
@@ -109,6 +149,13 @@ class FaultConfig:
     def validate_against(self, world_size: int, nnodes: int, nproc_per_node: int, max_steps: int) -> None:
         """Checks against the job's shape (``cluster.*``) and length (``trainer.max_steps``); ValueError."""
         assert world_size == nnodes * nproc_per_node, (world_size, nnodes, nproc_per_node)
+        if self.type == "plan":
+            for i, entry in enumerate(self.plan_entries()):
+                try:
+                    entry.validate_against(world_size, nnodes, nproc_per_node, max_steps)
+                except ValueError as err:
+                    raise ValueError(f"fault.plan[{i}]: {err}") from err
+            return
         if self.type in ("none", "random"):
             return
         if self.step > max_steps:
@@ -168,6 +215,13 @@ def plan_faults(
     cfg.validate_against(world_size, nnodes, nproc_per_node, max_steps)
     if cfg.type == "none":
         return []
+    if cfg.type == "plan":
+        specs = []
+        for index, entry in enumerate(cfg.plan_entries()):
+            shape = {"world_size": world_size, "nnodes": nnodes, "nproc_per_node": nproc_per_node}
+            (spec,) = plan_faults(entry, **shape, max_steps=max_steps)
+            specs.append(replace(spec, index=index))
+        return specs
     if cfg.type == "node_loss":
         return [
             FaultSpec(
@@ -199,7 +253,7 @@ def plan_faults(
         if step > max_steps:
             break
         rank = rng.randrange(world_size)
-        phase = rng.choice(PHASES)
+        phase = rng.choice(STEP_PHASES)
         fault_type = rng.choice(cfg.types)
         specs.append(
             FaultSpec(

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ckless_lightning._process import die_with_parent
 
@@ -71,6 +72,34 @@ class RankContext:
         )
 
 
+def _drop_process_group() -> None:
+    """Tiers 3-4: destroy the last generation's group before exit (this process may have held several;
+    leaving one to interpreter shutdown was seen to end in std::terminate)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _report_resources(job: Any, context: RankContext) -> None:
+    """``rank_end`` event: this process's threads and TCP sockets after training (leak checks)."""
+    from pathlib import Path
+
+    import psutil
+
+    from ckless_lightning.events import EventLog
+
+    sockets = psutil.Process().net_connections(kind="tcp")
+    EventLog(Path(job.run_dir) / "events.jsonl", source=f"rank{context.rank}").emit(
+        "rank_end",
+        rank=context.rank,
+        pid=os.getpid(),
+        threads=len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
+        tcp_sockets=len(sockets),
+        tcp_states=sorted(c.status for c in sockets),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckless_lightning.rank", description=__doc__)
     parser.add_argument("--config", required=True, help="resolved job config written by launch.py")
@@ -85,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
 
     container = OmegaConf.to_container(OmegaConf.load(args.config), resolve=True)
     assert isinstance(container, dict)
+    job = job_config_from_dict(container)
     try:
-        fit(job_config_from_dict(container), context)
+        fit(job, context)
+        if job.tier >= 3:
+            _drop_process_group()
+            _report_resources(job, context)
     except Exception as err:
         if not is_peer_failure(err):
             raise

@@ -14,14 +14,18 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed import Store
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from ckless_lightning._lightning_compat import init_distributed, install_device_mesh
 from ckless_lightning.comm import init_generation_process_group
+from ckless_lightning.comm.commit import StepCommit
+from ckless_lightning.comm.sever import fail_fast
 
 __all__ = ["MESH_DIM_NAMES", "CheckpointlessStrategy"]
 
@@ -40,6 +44,10 @@ class CheckpointlessStrategy(ModelParallelStrategy):
             the ``generation``'s prefix instead of through rank 0's rendezvous.
         generation: the job's generation this process belongs to.
         on_comm_phase: called with "comm_init_start" / "comm_init_done" (the timeline).
+        commit: tier 3+: the generation's step-commit vote, taken after the gradients are
+            complete and clipped, before the update (see :meth:`optimizer_step`).
+        keep_ports: tier 3+: on an exception, every TCP connection of this process except
+            those to these ports (the job store's) is cut, so peers fail fast.
     """
 
     def __init__(
@@ -52,6 +60,8 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         job_store: Store | None = None,
         generation: int = 0,
         on_comm_phase: Callable[[str], None] | None = None,
+        commit: StepCommit | None = None,
+        keep_ports: frozenset[int] | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -67,6 +77,8 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._job_store = job_store
         self._generation = generation
         self._on_comm_phase = on_comm_phase or (lambda phase: None)
+        self._commit = commit
+        self._keep_ports = keep_ports
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -112,6 +124,55 @@ class CheckpointlessStrategy(ModelParallelStrategy):
                 "set cluster.replicate / cluster.shard so that their product is the world size"
             )
         install_device_mesh(self, build_mesh(self.root_device, (replicate, shard)))
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Forward, backward and clipping (the closure), then the commit vote, then the update.
+
+        Lightning runs the closure inside ``optimizer.step(closure)``, and the
+        precision plugin clips inside that closure; there is no hook between
+        clipping and the update. The precision plugin is therefore handed a
+        stand-in whose ``step`` runs the closure, votes, and only then calls the
+        real ``optimizer.step()`` (its step hooks fire after the vote). Needs an
+        optimizer that evaluates the closure once (every first-order optimizer).
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        step = (trainer.global_step + 1) if trainer is not None else 0
+        commit = self._commit
+        vote = (lambda: commit.vote(step)) if commit is not None else (lambda: None)
+        return super().optimizer_step(_CommitThenStep(optimizer, vote), closure, model, **kwargs)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tier 3+: cut this rank's connections so that every peer's pending collective fails now."""
+        if self._keep_ports is not None:
+            fail_fast(set(self._keep_ports))
+
+
+class _CommitThenStep:
+    """Stands in for an optimizer in the precision plugin: closure, vote, then the real update."""
+
+    def __init__(self, optimizer: Optimizer, vote: Callable[[], None]) -> None:
+        self._optimizer = optimizer
+        self._vote = vote
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        self._vote()
+        self._optimizer.step(**kwargs)
+        return result
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad... of the real one
+        return getattr(self._optimizer, name)
 
 
 def build_mesh(device: torch.device, shape: tuple[int, int]) -> DeviceMesh:

@@ -100,7 +100,9 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
     """Per-fault recovery rows and job figures from events (any order) and ``losses.jsonl`` records.
 
     A fault is each ``fault_injected``, and each ``fault_detected`` with no fault
-    opened since the last ``generation`` event (a hang or crash nobody injected).
+    opened since the last ``generation`` event (a hang or crash nobody injected)
+    and not about a generation the job has already left (tiers 3-4: survivors
+    move the job on before the agent reports the dead process).
     """
     events = sorted(events, key=lambda e: float(e["t"]))
     summary = JobSummary()
@@ -153,11 +155,16 @@ def _fault_openers(events: list[dict[str, Any]]) -> list[int]:
     """Positions in ``events`` (sorted by time) of the event that opens each fault; see :func:`summarize`."""
     openers: list[int] = []
     open_since_generation = False
+    latest_gen = 0
     for pos, event in enumerate(events):
         if event["kind"] == "generation":
             open_since_generation = False
+            latest_gen = max(latest_gen, int(event["gen"]))
         elif event["kind"] == "fault_injected" or (
-            event["kind"] == "fault_detected" and not open_since_generation
+            event["kind"] == "fault_detected"
+            and not open_since_generation
+            # tiers 3-4: a rank may move the job on before the agent reports the dead process
+            and int(event.get("gen", latest_gen)) >= latest_gen
         ):
             openers.append(pos)
             open_since_generation = True
@@ -175,7 +182,12 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
     old_gens = [e["gen"] for e in events[:pos] if e["kind"] == "generation"]
     # An injected fault's detection comes before the generation it led to.
     until_new_gen = after if new_gen_pos is None else after[:new_gen_pos]
-    detections = _of(until_new_gen, "fault_detected")
+    # In-process recovery (tiers 3-4): a rank leaving fit after the fault is a detection too.
+    detections = [
+        e
+        for e in until_new_gen
+        if e["kind"] == "fault_detected" or (e["kind"] == "rank_phase" and e["phase"] == "recovery_start")
+    ]
     detection = opener if not injected else (detections[0] if detections else None)
     last_step = detection.get("last_step") if detection is not None else None
     if last_step is not None and last_step < 0:
@@ -193,9 +205,15 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
     t_detect = None
     if detection is not None:
         t_detect = float(detection["t"])
-        fault.detected_by = detection.get("by")
+        fault.detected_by = detection.get("by") or f"rank{detection.get('rank')}"
         fault.detection_s = t_detect - t_f
-    stops = [e["t"] for e in after if e["kind"] == "ranks_stopped" and e.get("gen") == fault.old_gen]
+    # Ranks stopped (tiers 0-2), or left the generation in-process (tiers 3-4).
+    stops = [
+        e["t"]
+        for e in after
+        if e.get("gen") == fault.old_gen
+        and (e["kind"] == "ranks_stopped" or (e["kind"] == "rank_phase" and e["phase"] == "generation_left"))
+    ]
     t_stop = max(stops) if stops else None
     if t_stop is not None and t_detect is not None:
         fault.stop_s = t_stop - t_detect

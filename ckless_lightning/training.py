@@ -7,6 +7,7 @@ build their own Trainer can call :func:`build_trainer` and friends directly.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ckless_lightning.faults import FaultSpec, injected_event, plan_faults
 from ckless_lightning.module import CausalLMModule
 from ckless_lightning.plan import resolve_accelerator
 from ckless_lightning.rank import RankContext
+from ckless_lightning.recovery.loop import InProcessRecovery
 from ckless_lightning.strategy import CheckpointlessStrategy
 
 __all__ = ["build_datamodule", "build_module", "build_trainer", "fault_specs", "fit"]
@@ -149,27 +151,50 @@ def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
     pl.seed_everything(job.seed, workers=True, verbose=False)
     ckpt_path = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
 
+    specs = fault_specs(job)
+
+    def fault_callback() -> FaultInjectionCallback:
+        return FaultInjectionCallback(
+            specs,
+            rank=context.rank,
+            marker_dir=run_dir / "faults",
+            on_inject=lambda spec: events.emit(
+                "fault_injected", **injected_event(spec, "inside"), gen=context.generation
+            ),
+            node_agent_pid=context.agent_pid,
+        )
+
+    datamodule = build_datamodule(job, context.batch_cache)
+    if job.tier >= 3:
+        trainer = _fit_in_process(job, context, events, ckpt_path, datamodule, fault_callback)
+    else:
+        trainer = _fit_once(job, context, events, ckpt_path, datamodule, fault_callback, phase)
+    if job.checkpoint.save_final:
+        final = Path(job.checkpoint.dir) / checkpoint_name(trainer.global_step)
+        if not is_complete_checkpoint(final):
+            trainer.save_checkpoint(final, weights_only=False)
+    return trainer
+
+
+def _fit_once(
+    job: JobConfig,
+    context: RankContext,
+    events: EventLog,
+    ckpt_path: str | None,
+    datamodule: TokenDataModule,
+    fault_callback: Callable[[], FaultInjectionCallback],
+    phase: Callable[..., None],
+) -> pl.Trainer:
+    """Tiers 0-2: one ``fit``; a fault ends the process and the agent restarts every rank."""
     callbacks: list[pl.Callback] = [
-        TimelineCallback(events, rank=context.rank, generation=context.generation)
+        TimelineCallback(events, rank=context.rank, generation=context.generation),
+        fault_callback(),
     ]
     job_store = None
     if context.store_addr is not None and context.store_port is not None:
         job_store = connect_store(context.store_addr, context.store_port, is_master=False)
         callbacks.append(
             HeartbeatCallback(JobStore(job_store), rank=context.rank, generation=context.generation)
-        )
-    specs = fault_specs(job)
-    if specs:
-        callbacks.append(
-            FaultInjectionCallback(
-                specs,
-                rank=context.rank,
-                marker_dir=run_dir / "faults",
-                on_inject=lambda spec: events.emit(
-                    "fault_injected", **injected_event(spec, "inside"), gen=context.generation
-                ),
-                node_agent_pid=context.agent_pid,
-            )
         )
     strategy = CheckpointlessStrategy(
         replicate=job.cluster.replicate,
@@ -180,10 +205,51 @@ def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
         on_comm_phase=lambda name: phase(name, step=None),
     )
     trainer = build_trainer(job, callbacks=callbacks, strategy=strategy)
-    module = build_module(job)
-    trainer.fit(module, datamodule=build_datamodule(job, context.batch_cache), ckpt_path=ckpt_path)
-    if job.checkpoint.save_final:
-        final = Path(job.checkpoint.dir) / checkpoint_name(trainer.global_step)
-        if not is_complete_checkpoint(final):
-            trainer.save_checkpoint(final, weights_only=False)
+    trainer.fit(build_module(job), datamodule=datamodule, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _fit_in_process(
+    job: JobConfig,
+    context: RankContext,
+    events: EventLog,
+    ckpt_path: str | None,
+    datamodule: TokenDataModule,
+    fault_callback: Callable[[], FaultInjectionCallback],
+) -> pl.Trainer:
+    """Tiers 3-4: ``fit`` inside :class:`InProcessRecovery`; faults are recovered in this process."""
+    if context.store_addr is None or context.store_port is None:
+        raise ValueError(
+            f"tier={job.tier} recovers through the node agent's job store; start the job with launch.py "
+            "(or set CKLESS_STORE_ADDR / CKLESS_STORE_PORT to a running agent's store)"
+        )
+    store = JobStore(connect_store(context.store_addr, context.store_port, is_master=False))
+    recovery = InProcessRecovery(
+        store,
+        rank=context.rank,
+        world_size=job.cluster.world_size,
+        generation=context.generation,
+        replicate=job.cluster.replicate,
+        shard=job.cluster.shard,
+        checkpoint_dir=job.checkpoint.dir,
+        timeout_s=job.comm.pg_timeout_s,
+        events=events,
+        on_recovery=fault_callback().on_recovery,
+    )
+    trainer = recovery.fit(
+        lambda strategy, callbacks: build_trainer(
+            job, callbacks=[*callbacks, fault_callback()], strategy=strategy
+        ),
+        lambda: build_module(job),
+        datamodule=datamodule,
+        ckpt_path=ckpt_path,
+    )
+    if recovery.votes:
+        events.emit(
+            "commit_votes",
+            rank=context.rank,
+            votes=recovery.votes,
+            vote_s=round(recovery.vote_s, 6),
+            recoveries=recovery.recoveries,
+        )
     return trainer

@@ -86,7 +86,8 @@ def test_cfg_job_prints_composed_config(tmp_path):
         (["fault=kill", "fault.type=explode"], "fault.type"),
         (["fault=kill", "fault.rank=4"], "fault.rank"),
         (["fault=node_loss"], "cluster.nnodes"),
-        (["tier=3"], "tier=3"),
+        (["tier=4"], "tier=4"),
+        (["tier=2", "fault=kill", "fault.phase=recovery"], "fault.phase=recovery"),
     ],
 )
 def test_bad_agent_and_fault_config_fails_before_ranks(tmp_path, overrides, named):

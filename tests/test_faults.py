@@ -24,7 +24,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from ckless_lightning.callbacks.fault_injection import FaultInjectionCallback, InjectedFault
-from ckless_lightning.faults import PHASES, FaultConfig, FaultSpec, claim_fault, marker_path, plan_faults
+from ckless_lightning.faults import (
+    PHASES,
+    STEP_PHASES,
+    FaultConfig,
+    FaultSpec,
+    claim_fault,
+    marker_path,
+    plan_faults,
+)
 
 SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
 
@@ -34,7 +42,7 @@ SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"type": "explode"}, r"fault\.type must be one of none \| kill .* random, got 'explode'"),
+        ({"type": "explode"}, r"fault\.type must be one of none \| kill .* plan, got 'explode'"),
         ({"phase": "loss"}, r"fault\.phase must be one of data \| forward \| backward"),
         ({"injected_by": "agent"}, r"fault\.injected_by must be one of inside \| outside"),
         ({"type": "exception", "injected_by": "outside"}, r"exception cannot be injected from outside"),
@@ -131,7 +139,7 @@ def test_plan_random_is_deterministic_and_bounded() -> None:
     assert steps == sorted(set(steps)) and all(1 <= s <= 100 for s in steps)  # one fault per step at most
     assert [s.index for s in plan] == list(range(len(plan)))
     for spec in plan:
-        assert 0 <= spec.rank < 8 and spec.phase in PHASES and spec.fault_type in cfg.types
+        assert 0 <= spec.rank < 8 and spec.phase in STEP_PHASES and spec.fault_type in cfg.types
         assert spec.node is None and spec.injected_by == "inside"
 
     # Over many seeds: bounds hold, every rank/phase/type shows up, gaps average about mtbf_steps.
@@ -143,7 +151,7 @@ def test_plan_random_is_deterministic_and_bounded() -> None:
         ranks |= {s.rank for s in plan}
         phases |= {s.phase for s in plan}
         types |= {s.fault_type for s in plan}
-    assert ranks == set(range(8)) and phases == set(PHASES) and types == {"kill", "exception", "hang"}
+    assert ranks == set(range(8)) and phases == set(STEP_PHASES) and types == {"kill", "exception", "hang"}
     assert min(gaps) >= 1 and 8 < sum(gaps) / len(gaps) < 13  # ceil(Exp(10)) has mean ~10.5
 
     short = plan_faults(FaultConfig(type="random", mtbf_steps=1000, seed=0), **{**SHAPE, "max_steps": 3})
@@ -269,7 +277,9 @@ def _run(spec: FaultSpec, marker_dir: Path, accumulate: int = 1) -> tuple[TinyMo
     return module, trainer, injected
 
 
-@pytest.mark.parametrize("phase", PHASES)
+# "commit" (after the vote) needs CheckpointlessStrategy, which runs the closure before the real
+# optimizer.step(); "recovery" needs the in-process loop: both are covered end to end (test_tier3.py).
+@pytest.mark.parametrize("phase", [p for p in PHASES if p not in ("commit", "recovery")])
 def test_exception_fires_in_phase_once(tmp_path: Path, phase: str) -> None:
     spec = FaultSpec(index=0, fault_type="exception", rank=0, step=3, phase=phase, injected_by="inside")
     module, trainer, injected = _run(spec, tmp_path)

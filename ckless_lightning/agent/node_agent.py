@@ -149,6 +149,8 @@ class NodeAgent:
         gen = self._join_generation()
         if gen is None:
             return self._give_up_exit()
+        if self.job.tier >= 3:
+            return self._supervise_in_process(gen)
         while True:
             self._start_ranks(gen)
             outcome = self._monitor(gen)
@@ -168,6 +170,142 @@ class NodeAgent:
                 assert outcome.generation is not None
                 gen = outcome.generation
 
+    def _supervise_in_process(self, gen: int) -> int:
+        """Tiers 3-4: replace only failed ranks; survivors move to the next generation by themselves.
+
+        A rank that fails inside its own code recovers in-process and moves the
+        job on itself; a dead or hung rank is replaced (warm spare first) in the
+        job's current generation, after moving the job on if nobody has yet.
+        """
+        assert self.store is not None
+        self._start_ranks(gen)
+        spares_filled = self.cfg.spares == 0
+        while True:
+            now = time.time()
+            self.store.set_agent_heartbeat(self.node, gen)
+            if self.store.giveup_reason() is not None:
+                return self._give_up_exit()
+            current = self.store.generation()
+            if current > gen:
+                if self._budget_spent(current):
+                    return self._give_up_exit()
+                gen = current
+            codes = {rank: proc.poll() for rank, proc in self.ranks.items()}
+            failed = [rank for rank, code in codes.items() if code not in (None, 0)]
+            if failed:
+                time.sleep(_SETTLE_S)  # let a cascade (a peer aborting with the dead one) show itself
+                next_gen = self._replace_failed(gen)
+                if next_gen is None:
+                    return self._give_up_exit()
+                gen = next_gen
+                spares_filled = self.cfg.spares == 0
+                continue
+            if all(code == 0 for code in codes.values()):
+                outcome = self._wait_for_other_nodes(gen)
+                if outcome.kind == "done":
+                    return 0
+                if outcome.kind == "giveup":
+                    return self._give_up_exit()
+                # Another node failed after ours finished: our ranks rejoin (resuming from disk).
+                assert outcome.generation is not None
+                gen = outcome.generation
+                self._stop_ranks(graceful=False)
+                self._start_ranks(gen)
+                continue
+            beats = self.store.rank_heartbeats(self.local_ranks)
+            stale = [
+                rank
+                for rank, beat in beats.items()
+                if codes[rank] is None
+                and now - beat.time > (self.cfg.startup_timeout if beat.step < 0 else self.cfg.hang_timeout)
+            ]
+            if stale:
+                hung = self._report_hang(gen, stale, beats)
+                self.ranks[hung].proc.wait()  # SIGKILLed: replaced on the next pass
+                self._restart_hang_clocks(gen, exclude=hung)
+                continue
+            if self._lost_node(gen, now):
+                next_gen = self._next_generation(gen)
+                if next_gen is None:
+                    return self._give_up_exit()
+                gen = next_gen
+                continue
+            self.batch_cache.keep_running()
+            if not spares_filled and all(beat.step >= 0 for beat in beats.values()):
+                self.spares.fill()
+                spares_filled = True
+            self._inject_outside_faults(gen, beats)
+            time.sleep(self.cfg.monitor_interval)
+
+    def _replace_failed(self, gen: int) -> int | None:
+        """Report and replace each failed rank; returns the generation they joined (None: give up).
+
+        A rank whose process belonged to an older generation than the current one
+        died of a fault the job has already moved past (survivors noticed first):
+        no new generation for it. Otherwise the job moves on once, here.
+        """
+        assert self.store is not None
+        failed = {rank: code for rank, proc in self.ranks.items() if (code := proc.poll()) not in (None, 0)}
+        self._restart_hang_clocks(gen, exclude=None)
+        current = max(gen, self.store.generation())
+        member = {rank: self.store.member(rank) for rank in failed}
+        if any(member[rank] >= current for rank in failed):
+            next_gen = self._next_generation(current)
+            if next_gen is None:
+                return None
+            current = next_gen
+        for rank in sorted(failed, key=lambda r: (_blame_class(failed[r]), r)):
+            code = failed[rank]
+            self.events.emit(
+                "fault_detected",
+                by=f"agent{self.node}",
+                rank=rank,
+                reason="exit",
+                exit_code=code,
+                signal=signal.Signals(-code).name if code < 0 else None,
+                failed_ranks=sorted(failed),
+                last_step=self.store.rank_heartbeats([rank])[rank].step,
+                gen=member[rank],  # the generation the dead process was in
+            )
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            print(
+                f"[agent{self.node}] rank {rank} {how}; replacing it in generation {current}. "
+                f"Last lines of its log:\n{self.ranks[rank].log_tail(15)}",
+                file=sys.stderr,
+            )
+            self.ranks[rank].stop(0)
+            proc = self._start_rank(rank, current)
+            self.events.emit(
+                "ranks_started", gen=current, node=self.node, ranks=[rank], pids=[proc.pid], warm=[proc.warm]
+            )
+        return current
+
+    def _restart_hang_clocks(self, gen: int, *, exclude: int | None) -> None:
+        """A recovery begins: give every live local rank a full ``hang_timeout`` from now.
+
+        Survivors blocked on a failed peer stop beating until they notice it
+        (milliseconds to seconds); without this they could be taken for hung.
+        """
+        assert self.store is not None
+        beats = self.store.rank_heartbeats(self.local_ranks)
+        now = time.time()
+        for rank, proc in self.ranks.items():
+            if rank != exclude and proc.poll() is None:
+                self.store.set_rank_heartbeat(rank, Heartbeat(beats[rank].gen, beats[rank].step, now))
+
+    def _budget_spent(self, current: int) -> bool:
+        """The job moved to ``current`` (by a rank or another agent): give up if that spent the budget."""
+        assert self.store is not None
+        window_start = time.time() - self.cfg.restart_window_s
+        recent = [t for t in self.store.restart_times(current) if t >= window_start]
+        if len(recent) <= self.cfg.max_restarts:
+            return False
+        self.store.give_up(
+            f"fault budget spent: {len(recent)} faults within {self.cfg.restart_window_s:g} s "
+            f"(agent.max_restarts={self.cfg.max_restarts})"
+        )
+        return True
+
     def _join_generation(self) -> int | None:
         """The generation to start in; a replacement node whose predecessor ran it asks for a new one."""
         assert self.store is not None
@@ -180,36 +318,8 @@ class NodeAgent:
     # -- ranks -----------------------------------------------------------------
     def _start_ranks(self, gen: int) -> None:
         assert self.store is not None
-        if self.job.comm.rootless:
-            master_port = self.store_port
-        elif self.node == 0:
-            master_port = _free_port()
-            self.store.publish_master_port(gen, master_port)
-        else:
-            master_port = self.store.master_port(gen)
-        argv = ["--config", str(self.config_path)]
-        for local, rank in enumerate(self.local_ranks):
-            spec = RankSpec(
-                global_rank=rank,
-                local_rank=local,
-                world_size=self.cluster.world_size,
-                local_world_size=self.cluster.nproc_per_node,
-                node_rank=self.node,
-                master_addr=self.cluster.master_addr,
-                master_port=master_port,
-                generation=gen,
-                store_addr=self.cluster.master_addr,
-                store_port=self.store_port,
-                batch_cache=str(self.batch_cache.root) if self.batch_cache.root else None,
-            )
-            self.store.set_rank_heartbeat(rank, Heartbeat(gen, -1, time.time()))
-            spare = self.spares.take()
-            log_dir = self.run_dir / "rank_logs"
-            if spare is not None:
-                self.ranks[rank] = RankProcess.adopt(spec, spare, argv, log_dir)
-            else:
-                command = [sys.executable, "-m", "ckless_lightning.rank", *argv]
-                self.ranks[rank] = RankProcess.spawn(spec, command, log_dir)
+        for rank in self.local_ranks:
+            self._start_rank(rank, gen)
         self.store.store.set(f"started/{gen}/{self.node}", "1")
         self.events.emit(
             "ranks_started",
@@ -219,6 +329,41 @@ class NodeAgent:
             pids=[self.ranks[r].pid for r in self.local_ranks],
             warm=[self.ranks[r].warm for r in self.local_ranks],
         )
+
+    def _start_rank(self, rank: int, gen: int) -> RankProcess:
+        """Start ``rank``'s process in generation ``gen``: a warm spare if one is ready, else a cold one."""
+        assert self.store is not None
+        if self.job.comm.rootless:
+            master_port = self.store_port
+        elif self.node == 0:
+            master_port = self.store.master_port(gen) if self.store.has_master_port(gen) else _free_port()
+            self.store.publish_master_port(gen, master_port)
+        else:
+            master_port = self.store.master_port(gen)
+        argv = ["--config", str(self.config_path)]
+        spec = RankSpec(
+            global_rank=rank,
+            local_rank=self.local_ranks.index(rank),
+            world_size=self.cluster.world_size,
+            local_world_size=self.cluster.nproc_per_node,
+            node_rank=self.node,
+            master_addr=self.cluster.master_addr,
+            master_port=master_port,
+            generation=gen,
+            store_addr=self.cluster.master_addr,
+            store_port=self.store_port,
+            batch_cache=str(self.batch_cache.root) if self.batch_cache.root else None,
+        )
+        self.store.set_rank_heartbeat(rank, Heartbeat(gen, -1, time.time()))
+        self.store.set_member(rank, gen)
+        spare = self.spares.take()
+        log_dir = self.run_dir / "rank_logs"
+        if spare is not None:
+            self.ranks[rank] = RankProcess.adopt(spec, spare, argv, log_dir)
+        else:
+            command = [sys.executable, "-m", "ckless_lightning.rank", *argv]
+            self.ranks[rank] = RankProcess.spawn(spec, command, log_dir)
+        return self.ranks[rank]
 
     def _stop_ranks(self, *, graceful: bool, generation: int | None = None) -> None:
         if not self.ranks:
@@ -268,8 +413,8 @@ class NodeAgent:
             self._inject_outside_faults(gen, beats)
             time.sleep(self.cfg.monitor_interval)
 
-    def _report_hang(self, gen: int, stale: list[int], beats: dict[int, Heartbeat]) -> None:
-        """Kill the hung rank and say so.
+    def _report_hang(self, gen: int, stale: list[int], beats: dict[int, Heartbeat]) -> int:
+        """Kill the hung rank and say so; returns it.
 
         When a rank hangs, its peers block in the next collective and go stale
         too, possibly before it (they beat earlier). Blame a stopped process
@@ -295,6 +440,7 @@ class NodeAgent:
             gen=gen,
         )
         print(f"[agent{self.node}] rank {rank} hung after step {beat.step}; killed it", file=sys.stderr)
+        return rank
 
     def _on_rank_failure(self, gen: int) -> _Outcome:
         """Blame one rank: killed by a signal, else failed by itself, before one that lost a peer.

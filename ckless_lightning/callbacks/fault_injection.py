@@ -18,10 +18,18 @@ backward        ``loss.register_hook``, put on in                backward starte
                 ``on_before_backward``                           gradient yet
 grad_reduction  ``on_after_backward``                            backward done (FSDP2 reduce-scatter);
                                                                  clipping's all-reduce, update not yet
+commit          ``Optimizer.register_step_pre_hook``, put on     clipping and (tier 3+) the commit
+                in ``on_train_start``                            vote done; update not yet
 optimizer       ``Optimizer.register_step_post_hook``, put on    this rank's parameters updated;
                 in ``on_train_start``                            scheduler, ``global_step``,
                                                                  checkpoint not yet
+recovery        :meth:`FaultInjectionCallback.on_recovery`,      left the failed generation, not yet
+                called by the in-process recovery loop           joined the next
 ==============  ===============================================  ====================================
+
+The real optimizer's step hooks fire after the vote because
+:class:`~ckless_lightning.strategy.CheckpointlessStrategy` runs the closure
+(forward, backward, clipping), then the vote, then ``optimizer.step()``.
 
 Injection, after :func:`~ckless_lightning.faults.claim_fault` won and
 ``on_inject(spec)`` returned: ``kill`` SIGKILLs the process; ``hang`` SIGSTOPs
@@ -110,12 +118,23 @@ class FaultInjectionCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Once per fit, after optimizers exist: hook ``optimizer`` faults onto each optimizer's step."""
         self._remove_hooks()
-        if not any(s.phase == "optimizer" for s in self.specs):
-            return
+        phases = {s.phase for s in self.specs}
         for optimizer in trainer.optimizers:
             if isinstance(optimizer, LightningOptimizer):
                 optimizer = optimizer.optimizer
-            self._optimizer_handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+            if "commit" in phases:
+                self._optimizer_handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+            if "optimizer" in phases:
+                self._optimizer_handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+
+    def on_recovery(self, last_step: int) -> None:
+        """Called by the in-process recovery loop between generations: fire ``recovery`` faults.
+
+        A ``recovery`` fault of step N fires in the first recovery once the rank
+        started step N (``last_step >= N - 1``).
+        """
+        self._due = [s for s in self.specs if s.phase == "recovery" and last_step >= s.step - 1]
+        self._fire("recovery")
 
     @override
     def on_train_batch_start(
@@ -178,6 +197,9 @@ class FaultInjectionCallback(pl.Callback):
 
     def _on_loss_grad(self, grad: torch.Tensor) -> None:
         self._fire("backward")
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._fire("commit")
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._fire("optimizer")

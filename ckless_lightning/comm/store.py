@@ -11,6 +11,9 @@ in a rank, so any rank can die without taking the store with it. Keys:
 - ``agent/<node>``: ``"<gen> <unix time>"``, each agent's own heartbeat;
 - ``master_port/<g>``: tier 0's rendezvous port of generation ``g`` (rank 0 hosts it);
 - ``done/<g>/<node>``: a node's ranks all finished in generation ``g``;
+- ``member/<rank>``: the generation the rank's current process belongs to (tiers 3-4);
+- ``gen<g>/joined``, ``gen<g>/vote/<step>``, ``gen<g>/decision/<step>``: tiers 3-4's join
+  barrier and step-commit vote (``ckless_lightning.recovery``, ``ckless_lightning.comm.commit``);
 - ``gen<g>/pg/...``: tier 1's process groups of generation ``g`` (PrefixStore).
 """
 
@@ -113,8 +116,20 @@ class JobStore:
     def publish_master_port(self, gen: int, port: int) -> None:
         self.store.set(f"master_port/{gen}", str(port))
 
+    def has_master_port(self, gen: int) -> bool:
+        return self.store.check([f"master_port/{gen}"])
+
     def master_port(self, gen: int) -> int:
         return int(self.store.get(f"master_port/{gen}"))  # blocks until node 0 published it
+
+    # -- membership (tiers 3-4) --------------------------------------------
+    def set_member(self, rank: int, gen: int) -> None:
+        self.store.set(f"member/{rank}", str(gen))
+
+    def member(self, rank: int) -> int:
+        """The generation ``rank``'s current process belongs to; -1 if never set."""
+        key = f"member/{rank}"
+        return int(self.store.get(key)) if self.store.check([key]) else -1
 
     def mark_done(self, gen: int, node: int) -> None:
         self.store.set(f"done/{gen}/{node}", "1")
