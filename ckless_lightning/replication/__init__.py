@@ -1,0 +1,44 @@
+"""In-memory recovery: plan who restores a lost rank from whom, and copy the state over.
+
+Why a subpackage: the planner (:mod:`.source_map`) is pure and the transfer
+(:mod:`.transfer`) only needs ``torch.distributed``, so both are testable on
+CPU with gloo, apart from the Lightning strategy that drives them.
+"""
+
+from __future__ import annotations
+
+from ckless_lightning.replication.source_map import (
+    RankReport,
+    RecoveryPlan,
+    buddy_rank,
+    buddy_survives_node_loss,
+    default_buddy_offset,
+    plan_buddy,
+    plan_hsdp,
+)
+from ckless_lightning.replication.transfer import (
+    DEFAULT_BUCKET_BYTES,
+    BucketLayout,
+    Transfer,
+    TransferError,
+    checksum,
+    transfer_bytes,
+    transfer_tensors,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "BucketLayout",
+    "RankReport",
+    "RecoveryPlan",
+    "Transfer",
+    "TransferError",
+    "buddy_rank",
+    "buddy_survives_node_loss",
+    "checksum",
+    "default_buddy_offset",
+    "plan_buddy",
+    "plan_hsdp",
+    "transfer_bytes",
+    "transfer_tensors",
+]
