@@ -26,6 +26,7 @@ __all__ = [
     "CommConfig",
     "JobConfig",
     "OptimConfig",
+    "ReplicationConfig",
     "TrainerConfig",
     "build_section",
     "job_config_from_dict",
@@ -243,7 +244,42 @@ class CommConfig:
             )
 
 
-AVAILABLE_TIERS = (0, 1, 2, 3)
+@dataclass
+class ReplicationConfig:
+    """Tier 4's in-memory redundancy (see ckless_lightning.replication).
+
+    ``source``: ``hsdp`` restores a rank from its replica peer (needs
+    ``cluster.replicate >= 2``); ``buddy`` copies each rank's shard to the host
+    memory of rank ``(r + buddy_offset) % world`` every ``every_n_steps``
+    committed steps; ``auto`` is ``hsdp`` when ``cluster.replicate >= 2``, else
+    ``buddy``. ``buddy_offset`` null: ``nproc_per_node`` with 2+ nodes (the next
+    node), else 1.
+    """
+
+    source: str = "auto"
+    every_n_steps: int = 1
+    buddy_offset: int | None = None
+    bucket_mb: float = 64.0
+    loop_capacity_mb: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.source not in ("auto", "hsdp", "buddy"):
+            raise ValueError(f"replication.source must be auto | hsdp | buddy, got {self.source!r}")
+        if self.every_n_steps < 1:
+            raise ValueError(f"replication.every_n_steps must be >= 1, got {self.every_n_steps}")
+        if self.bucket_mb <= 0 or self.loop_capacity_mb <= 0:
+            raise ValueError("replication.bucket_mb and replication.loop_capacity_mb must be positive")
+
+    def resolved_source(self, replicate: int) -> str:
+        return ("hsdp" if replicate >= 2 else "buddy") if self.source == "auto" else self.source
+
+    def resolved_offset(self, nnodes: int, nproc_per_node: int) -> int:
+        if self.buddy_offset is not None:
+            return self.buddy_offset
+        return nproc_per_node if nnodes >= 2 else 1
+
+
+AVAILABLE_TIERS = (0, 1, 2, 3, 4)
 
 
 @dataclass
@@ -262,6 +298,7 @@ class JobConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     tier: int = 0
     seed: int = 1234
     dry_run: bool = False
@@ -280,13 +317,16 @@ class JobConfig:
             raise ValueError(
                 f"tier={self.tier} rejoins through the agent's store: comm.rootless must stay true"
             )
-        if self.tier < 3 and self.fault.enabled:
-            in_recovery = (
-                [s for s in self.fault.plan_entries() if s.phase == "recovery"]
-                if (self.fault.type == "plan")
-                else ([self.fault] if self.fault.phase == "recovery" and self.fault.type != "random" else [])
+        if self.tier == 4:
+            self._check_redundancy()
+        faults = self._fault_entries()
+        if self.tier != 4 and any(f.type == "corrupt" for f in faults):
+            raise ValueError(
+                f"fault.type=corrupt corrupts a tier-4 peer-to-peer transfer, but tier={self.tier}; "
+                "use tier=4"
             )
-            if in_recovery:
+        if self.tier < 3:
+            if any(f.phase == "recovery" for f in faults):
                 raise ValueError(
                     f"fault.phase=recovery needs in-process recovery (tier >= 3), but tier={self.tier}: "
                     "at tiers 0-2 no rank survives a fault to recover; choose another phase or tier=3"
@@ -314,6 +354,42 @@ class JobConfig:
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower data.seq_len or raise model.max_seq_len"
             )
+
+    def _fault_entries(self) -> list[FaultConfig]:
+        """The targeted faults of ``fault`` (a plan's entries, or the one fault; none for random/none)."""
+        if self.fault.type == "plan":
+            return self.fault.plan_entries()
+        return [self.fault] if self.fault.type not in ("none", "random") else []
+
+    def _check_redundancy(self) -> None:
+        """Tier 4 needs a live copy of every shard somewhere else; fail before ranks start if not."""
+        cluster, rep = self.cluster, self.replication
+        source = rep.resolved_source(cluster.replicate)
+        if source == "hsdp" and cluster.replicate < 2:
+            raise ValueError(
+                "tier=4 with replication.source=hsdp needs cluster.replicate >= 2 (a replica of every "
+                f"shard), got cluster.replicate={cluster.replicate}; set cluster.replicate=2 (HSDP) "
+                "or replication.source=buddy"
+            )
+        if source == "buddy":
+            from ckless_lightning.replication.source_map import buddy_survives_node_loss
+
+            offset = rep.resolved_offset(cluster.nnodes, cluster.nproc_per_node)
+            if offset % cluster.world_size == 0:
+                raise ValueError(
+                    f"replication.buddy_offset={offset} makes every rank its own buddy "
+                    f"(world size {cluster.world_size}); use an offset in 1..{cluster.world_size - 1}, "
+                    "or null for the default"
+                )
+            if cluster.nnodes >= 2 and not buddy_survives_node_loss(
+                offset, cluster.nnodes, cluster.nproc_per_node
+            ):
+                raise ValueError(
+                    f"replication.buddy_offset={offset} puts some rank's buddy on its own node "
+                    f"(cluster.nproc_per_node={cluster.nproc_per_node}), so a node loss would take a "
+                    "shard and its copy together; use a multiple of cluster.nproc_per_node "
+                    "(null picks the next node)"
+                )
 
     @property
     def accumulate_grad_batches(self) -> int:
@@ -370,6 +446,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "fault",
         "agent",
         "comm",
+        "replication",
     }
     unknown = sorted(set(cfg) - known_top)
     if unknown:
@@ -391,6 +468,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         agent=build_section(AgentConfig, cfg.get("agent"), "agent"),
         comm=build_section(CommConfig, cfg.get("comm"), "comm"),
         fault=build_section(FaultConfig, cfg.get("fault"), "fault"),
+        replication=build_section(ReplicationConfig, cfg.get("replication"), "replication"),
         tier=int(cfg.get("tier", 0)),
         seed=int(cfg.get("seed", 1234)),
         dry_run=bool(cfg.get("dry_run", False)),

@@ -36,7 +36,8 @@ __all__ = [
     "plan_faults",
 ]
 
-FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "random", "plan")
+# "corrupt" (tier 4, phase "recovery"): the rank, as a transfer source, flips a byte of a bucket in flight.
+FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "corrupt", "random", "plan")
 # Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
 # then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4).
 STEP_PHASES = ("data", "forward", "backward", "grad_reduction", "commit", "optimizer")
@@ -101,6 +102,11 @@ class FaultConfig:
                 f"fault.types may only contain {_choices(RANDOM_FAULT_TYPES)}, got {unknown}; "
                 "a node loss is targeted: use fault=node_loss"
             )
+        if self.type == "corrupt" and (self.phase != "recovery" or self.injected_by != "inside"):
+            raise ValueError(
+                "fault.type=corrupt flips bytes of a tier-4 recovery transfer sent by fault.rank: "
+                "set fault.phase=recovery and fault.injected_by=inside"
+            )
         if self.injected_by == "outside":
             if self.type == "exception":
                 raise ValueError(
@@ -133,7 +139,7 @@ class FaultConfig:
                 raise ValueError(f"fault.plan[{i}] has unknown keys {unknown}; allowed: {sorted(allowed)}")
             if entry.get("type") in (None, "none", "random", "plan"):
                 raise ValueError(
-                    f"fault.plan[{i}].type must be one of kill | hang | exception | node_loss, "
+                    f"fault.plan[{i}].type must be one of kill | hang | exception | node_loss | corrupt, "
                     f"got {entry.get('type')!r}"
                 )
             try:

@@ -81,14 +81,45 @@ def _drop_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _exit_now(code: int) -> None:
+    """End the process without interpreter teardown (tiers 3-4, after everything is saved).
+
+    A process that went through several generations was seen, once in many runs,
+    to hang in interpreter shutdown after training had finished and every
+    process group was destroyed (C++ destructors of torch.distributed objects of
+    earlier generations). Nothing is left to run: flush and leave.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _count_objects(types: tuple[type, ...]) -> int:
+    """Live Python objects of ``types`` (isinstance on every object wakes torch's deprecation shims)."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sum(isinstance(o, types) for o in gc.get_objects())
+
+
 def _report_resources(job: Any, context: RankContext) -> None:
-    """``rank_end`` event: this process's threads and TCP sockets after training (leak checks)."""
+    """``rank_end`` event: this process's threads, TCP sockets and live process-group objects after
+    training (leak checks)."""
+    import gc
     from pathlib import Path
 
     import psutil
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
 
     from ckless_lightning.events import EventLog
 
+    gc.collect()
     sockets = psutil.Process().net_connections(kind="tcp")
     EventLog(Path(job.run_dir) / "events.jsonl", source=f"rank{context.rank}").emit(
         "rank_end",
@@ -97,6 +128,7 @@ def _report_resources(job: Any, context: RankContext) -> None:
         threads=len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
         tcp_sockets=len(sockets),
         tcp_states=sorted(c.status for c in sockets),
+        process_groups=_count_objects((dist.ProcessGroup, Backend)),
     )
 
 
@@ -120,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.tier >= 3:
             _drop_process_group()
             _report_resources(job, context)
+            _exit_now(0)
     except Exception as err:
         if not is_peer_failure(err):
             raise

@@ -10,12 +10,14 @@ in-memory state enters Lightning's restore path (``load_checkpoint``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed import Store
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,6 +28,8 @@ from ckless_lightning._lightning_compat import init_distributed, install_device_
 from ckless_lightning.comm import init_generation_process_group
 from ckless_lightning.comm.commit import StepCommit
 from ckless_lightning.comm.sever import fail_fast
+from ckless_lightning.recovery.memory import MEMORY_CHECKPOINT, MemoryRestore
+from ckless_lightning.replication.state import param_groups_of
 
 __all__ = ["MESH_DIM_NAMES", "CheckpointlessStrategy"]
 
@@ -48,6 +52,8 @@ class CheckpointlessStrategy(ModelParallelStrategy):
             complete and clipped, before the update (see :meth:`optimizer_step`).
         keep_ports: tier 3+: on an exception, every TCP connection of this process except
             those to these ports (the job store's) is cut, so peers fail fast.
+        memory: tier 4: serves ``fit(ckpt_path=MEMORY_CHECKPOINT)`` from memory
+            (:class:`~ckless_lightning.recovery.memory.MemoryRestore`).
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         on_comm_phase: Callable[[str], None] | None = None,
         commit: StepCommit | None = None,
         keep_ports: frozenset[int] | None = None,
+        memory: MemoryRestore | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -79,6 +86,8 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._on_comm_phase = on_comm_phase or (lambda phase: None)
         self._commit = commit
         self._keep_ports = keep_ports
+        self._memory = memory
+        self._light = False
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -124,6 +133,44 @@ class CheckpointlessStrategy(ModelParallelStrategy):
                 "set cluster.replicate / cluster.shard so that their product is the world size"
             )
         install_device_mesh(self, build_mesh(self.root_device, (replicate, shard)))
+        if self._memory is not None and self._memory.snapshots.mode == "buddy":
+            # Buddy copies travel in host memory on their own gloo group, beside the step's collectives.
+            self._memory.snapshots.group = torch.distributed.new_group(backend="gloo")
+
+    @contextmanager
+    def light_state(self) -> Iterator[None]:
+        """Within it, Lightning's checkpoint dict leaves out weights and optimizer tensors (tier 4's
+        per-step snapshot: the tensors stay live in memory)."""
+        self._light = True
+        try:
+            yield
+        finally:
+            self._light = False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {} if self._light else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._light:
+            return super().optimizer_state(optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return {"param_groups": param_groups_of([optimizer])[0]}
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Tier 4's ``MEMORY_CHECKPOINT`` is served from memory; anything else is a DCP checkpoint."""
+        if checkpoint_path == MEMORY_CHECKPOINT:
+            if self._memory is None:
+                raise ValueError(f"{MEMORY_CHECKPOINT} needs tier 4 (a MemoryRestore)")
+            assert self.lightning_module is not None
+            restored = self._memory.restore(self.lightning_module, list(self.optimizers))
+            if isinstance(restored, dict):
+                return restored
+            checkpoint_path = restored  # no live copy of some state: the disk fallback
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def optimizer_step(
@@ -150,7 +197,13 @@ class CheckpointlessStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Tier 3+: cut this rank's connections so that every peer's pending collective fails now."""
+        """Tier 3+: cut this rank's connections so that every peer's pending collective fails now.
+
+        Tier 4 first lets a buddy exchange in flight finish (peers' gloo threads
+        progress it even while they wait in a collective), so its copies stay usable.
+        """
+        if self._memory is not None:
+            self._memory.snapshots.settle(timeout_s=5.0)
         if self._keep_ports is not None:
             fail_fast(set(self._keep_ports))
 

@@ -123,6 +123,15 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
 
     openers = _fault_openers(events)
     summary.faults = [_recovery(events, i + 1, pos) for i, pos in enumerate(openers)]
+    for prev, fault in itertools.pairwise(summary.faults):
+        # Tiers 3-4: a fault while the job was still recovering from the one before (e.g. a rank
+        # killed between leaving a generation and joining the next) is handled by that recovery.
+        if (
+            fault.outcome == "no new generation"
+            and prev.total_s is not None
+            and fault.t_fault <= prev.t_fault + prev.total_s
+        ):
+            fault.outcome = f"handled in the recovery of fault {prev.index}"
     for fault in summary.faults:
         if fault.total_s is None and fault.outcome == "recovered":
             later = fault.index < len(summary.faults)

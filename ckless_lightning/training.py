@@ -32,6 +32,7 @@ from ckless_lightning.module import CausalLMModule
 from ckless_lightning.plan import resolve_accelerator
 from ckless_lightning.rank import RankContext
 from ckless_lightning.recovery.loop import InProcessRecovery
+from ckless_lightning.replication import SnapshotStore
 from ckless_lightning.strategy import CheckpointlessStrategy
 
 __all__ = ["build_datamodule", "build_module", "build_trainer", "fault_specs", "fit"]
@@ -58,8 +59,11 @@ def build_trainer(
 ) -> pl.Trainer:
     """A Trainer for ``job`` on this rank: our strategy, CSV (+ TensorBoard) logs, DCP checkpoints."""
     run_dir = Path(job.run_dir)
+    # ``callbacks`` right after the data position: tier 4's snapshot must see the committed loader
+    # position and run before LossHistoryCallback's all-reduce (see ReplicationCallback).
     all_callbacks: list[pl.Callback] = [
         DataPositionCallback(),
+        *(callbacks or []),
         LossHistoryCallback(run_dir / "losses.jsonl"),
         StepStatsCallback(run_dir / "step_stats"),
     ]
@@ -79,7 +83,6 @@ def build_trainer(
         )
     if job.data.record_samples:
         all_callbacks.append(SampleLogCallback(run_dir / "samples"))
-    all_callbacks.extend(callbacks or [])
     trainer_cfg = job.trainer
     return pl.Trainer(
         accelerator=resolve_accelerator(job.cluster.accelerator),
@@ -224,6 +227,18 @@ def _fit_in_process(
             "(or set CKLESS_STORE_ADDR / CKLESS_STORE_PORT to a running agent's store)"
         )
     store = JobStore(connect_store(context.store_addr, context.store_port, is_master=False))
+    cluster, replication = job.cluster, job.replication
+    snapshots = None
+    if job.tier == 4:
+        snapshots = SnapshotStore(
+            rank=context.rank,
+            world_size=cluster.world_size,
+            mode=replication.resolved_source(cluster.replicate),
+            every_n_steps=replication.every_n_steps,
+            buddy_offset=replication.resolved_offset(cluster.nnodes, cluster.nproc_per_node),
+            loop_capacity=int(replication.loop_capacity_mb * (1 << 20)),
+        )
+    recovery_faults = fault_callback()
     recovery = InProcessRecovery(
         store,
         rank=context.rank,
@@ -234,7 +249,10 @@ def _fit_in_process(
         checkpoint_dir=job.checkpoint.dir,
         timeout_s=job.comm.pg_timeout_s,
         events=events,
-        on_recovery=fault_callback().on_recovery,
+        on_recovery=recovery_faults.on_recovery,
+        snapshots=snapshots,
+        bucket_bytes=int(replication.bucket_mb * (1 << 20)),
+        corrupt=recovery_faults.corrupt_transfer,
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(
@@ -244,6 +262,7 @@ def _fit_in_process(
         datamodule=datamodule,
         ckpt_path=ckpt_path,
     )
+    recovery.finish()
     if recovery.votes:
         events.emit(
             "commit_votes",
@@ -251,5 +270,8 @@ def _fit_in_process(
             votes=recovery.votes,
             vote_s=round(recovery.vote_s, 6),
             recoveries=recovery.recoveries,
+            snapshots=recovery.records,
+            snapshot_s=round(recovery.record_s, 6),
+            host_copy_bytes=snapshots.host_bytes() if snapshots is not None else 0,
         )
     return trainer

@@ -51,7 +51,8 @@ def launch_command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str
     """``python launch.py`` as a user runs it, on a 2 MB slice of the built-in corpus, no progress bar.
 
     Without a ``fault=...`` override the run has no fault (``fault=none``: the
-    default recipe's demo fault is off).
+    default recipe's demo fault is off); without a ``tier=...`` override it runs at
+    tier 0 (the user's default is tier 4).
     """
     return [
         sys.executable,
@@ -61,6 +62,7 @@ def launch_command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str
         "data.max_source_bytes=2000000",
         "trainer.enable_progress_bar=false",
         *([] if any(o.startswith("fault=") for o in overrides) else ["fault=none"]),
+        *([] if any(o.startswith("tier=") for o in overrides) else ["tier=0"]),
         *overrides,
     ]
 

@@ -106,6 +106,7 @@ class NodeAgent:
         self.outside_faults = [s for s in specs if s.injected_by == "outside" and s.rank in self.local_ranks]
         self.store: JobStore | None = None
         self._lost_nodes: set[int] = set()
+        self._finished: set[int] = set()  # tiers 3-4: ranks that trained to the end, stopped by us
         self.store_port = 0
         self.batch_cache = BatchCacheService(job, prepared_path, self.local_ranks, self.events, start_step)
 
@@ -191,6 +192,7 @@ class NodeAgent:
                     return self._give_up_exit()
                 gen = current
             codes = {rank: proc.poll() for rank, proc in self.ranks.items()}
+            codes.update({rank: 0 for rank in self._finished})
             failed = [rank for rank, code in codes.items() if code not in (None, 0)]
             if failed:
                 time.sleep(_SETTLE_S)  # let a cascade (a peer aborting with the dead one) show itself
@@ -219,6 +221,15 @@ class NodeAgent:
                 if codes[rank] is None
                 and now - beat.time > (self.cfg.startup_timeout if beat.step < 0 else self.cfg.hang_timeout)
             ]
+            stuck = [r for r in stale if beats[r].step >= self.job.trainer.max_steps]
+            for rank in stuck:  # trained to the end but did not exit: done, not hung
+                print(
+                    f"[agent{self.node}] rank {rank} finished training but did not exit; killed it",
+                    file=sys.stderr,
+                )
+                self.ranks[rank].stop(0)
+                self._finished.add(rank)
+            stale = [r for r in stale if r not in stuck]
             if stale:
                 hung = self._report_hang(gen, stale, beats)
                 self.ranks[hung].proc.wait()  # SIGKILLed: replaced on the next pass
@@ -245,7 +256,11 @@ class NodeAgent:
         no new generation for it. Otherwise the job moves on once, here.
         """
         assert self.store is not None
-        failed = {rank: code for rank, proc in self.ranks.items() if (code := proc.poll()) not in (None, 0)}
+        failed = {
+            rank: code
+            for rank, proc in self.ranks.items()
+            if (code := proc.poll()) not in (None, 0) and rank not in self._finished
+        }
         self._restart_hang_clocks(gen, exclude=None)
         current = max(gen, self.store.generation())
         member = {rank: self.store.member(rank) for rank in failed}

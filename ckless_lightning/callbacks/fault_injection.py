@@ -133,8 +133,22 @@ class FaultInjectionCallback(pl.Callback):
         A ``recovery`` fault of step N fires in the first recovery once the rank
         started step N (``last_step >= N - 1``).
         """
-        self._due = [s for s in self.specs if s.phase == "recovery" and last_step >= s.step - 1]
+        self._due = [
+            s
+            for s in self.specs
+            if s.phase == "recovery" and s.fault_type != "corrupt" and last_step >= s.step - 1
+        ]
         self._fire("recovery")
+
+    def corrupt_transfer(self, pair: Any, bucket: int, buffer: torch.Tensor) -> None:
+        """Tier 4 transfer hook on a source: a due ``corrupt`` fault flips the first byte of bucket 0."""
+        if bucket != 0:
+            return
+        for spec in [s for s in self.specs if s.fault_type == "corrupt"]:
+            if claim_fault(self.marker_dir, spec):
+                if self.on_inject is not None:
+                    self.on_inject(spec)
+                buffer[0] ^= 0xFF
 
     @override
     def on_train_batch_start(

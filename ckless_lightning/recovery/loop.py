@@ -36,18 +36,25 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 
 from ckless_lightning.callbacks.heartbeat import HeartbeatCallback
+from ckless_lightning.callbacks.replication import ReplicationCallback
 from ckless_lightning.callbacks.timeline import TimelineCallback
 from ckless_lightning.checkpointing import latest_checkpoint
-from ckless_lightning.comm import JobStore, StepCommit, connect_store
+from ckless_lightning.comm import GenerationChanged, JobStore, StepCommit, connect_store
 from ckless_lightning.events import EventLog
+from ckless_lightning.rank import is_peer_failure
+from ckless_lightning.recovery.memory import MEMORY_CHECKPOINT, MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
+from ckless_lightning.replication import SnapshotStore, Transfer
+from ckless_lightning.replication.state import local_state_tensors, reshard_all
 from ckless_lightning.strategy import CheckpointlessStrategy
 
 __all__ = ["InProcessRecovery", "JobGaveUp", "MakeTrainer"]
 
+_STATE_KEY = "tier4/state"  # set once any rank recorded a committed step: memory can serve a restore
 # (strategy of this generation, callbacks to add to the Trainer) -> Trainer
 MakeTrainer = Callable[[CheckpointlessStrategy, list[pl.Callback]], pl.Trainer]
 
@@ -65,6 +72,10 @@ class InProcessRecovery:
         events: the job's event log (recovery phases as ``rank_phase`` events).
         on_recovery: called with the last completed step after leaving a generation
             and before joining the next (fault injection's ``recovery`` phase).
+        snapshots: tier 4: this rank's :class:`SnapshotStore`; recoveries then restore from
+            memory (``source="memory"``) instead of the last disk checkpoint.
+        bucket_bytes: tier 4: transfer bucket size.
+        corrupt: tier 4 test hook: flips bytes of a bucket in flight on a source.
     """
 
     def __init__(
@@ -80,6 +91,9 @@ class InProcessRecovery:
         timeout_s: float = 600.0,
         events: EventLog | None = None,
         on_recovery: Callable[[int], None] | None = None,
+        snapshots: SnapshotStore | None = None,
+        bucket_bytes: int = 64 << 20,
+        corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -93,6 +107,12 @@ class InProcessRecovery:
         self.session = GenerationSession(
             store, rank=rank, world_size=world_size, generation=generation, on_phase=self._phase
         )
+        self.snapshots = snapshots
+        self.bucket_bytes = bucket_bytes
+        self.corrupt = corrupt
+        self.replication: ReplicationCallback | None = None  # the current generation's (its cost)
+        self.record_s = 0.0
+        self.records = 0
         self.recoveries = 0
         self.commit: StepCommit | None = None  # the current generation's vote (its cost: wait_s, votes)
         self.vote_s = 0.0
@@ -137,7 +157,7 @@ class InProcessRecovery:
                 gen = self.session.join()
                 left_after = None
                 if recovering:
-                    resume = self._latest_checkpoint() or ckpt_path
+                    resume = self._resume_point(ckpt_path)
                     self._phase("resume_chosen", gen, resumed_from=str(resume) if resume else None)
                 trainer = make_trainer(self._strategy(gen), self._callbacks(gen))
                 trainer.fit(make_module(), datamodule=datamodule, ckpt_path=resume)
@@ -149,15 +169,32 @@ class InProcessRecovery:
                 self._count_votes()
                 if trainer is not None:
                     self.session.last_step = trainer.global_step
+                self._capture_live_state(trainer, err)
                 self._leave(err)
                 left_after = self.session.last_step
-                del trainer
-                gc.collect()
                 recovering = True
+            # Out of the except block, the traceback (and with it the old Trainer, module,
+            # FSDP state and process groups) is unreachable: free them, threads and sockets too.
+            trainer = None
+            if datamodule is not None:
+                datamodule.trainer = None  # it would keep the old Trainer alive
+            gc.collect()
 
     # -- pieces --------------------------------------------------------------------------------------
     def _strategy(self, gen: int) -> CheckpointlessStrategy:
         self.commit = StepCommit(self.store, generation=gen, world_size=self.world_size)
+        memory = None
+        if self.snapshots is not None:
+            memory = MemoryRestore(
+                self.snapshots,
+                replicate=self.replicate,
+                shard=self.shard if self.shard != -1 else self.world_size // self.replicate,
+                checkpoint_dir=self.checkpoint_dir,
+                bucket_bytes=self.bucket_bytes,
+                events=self.events,
+                generation=gen,
+                corrupt=self.corrupt,
+            )
         return CheckpointlessStrategy(
             replicate=self.replicate,
             shard=self.shard,
@@ -167,10 +204,17 @@ class InProcessRecovery:
             on_comm_phase=lambda phase: self._phase(phase, gen),
             commit=self.commit,
             keep_ports=frozenset({self.store.port}),
+            memory=memory,
         )
 
     def _callbacks(self, gen: int) -> list[pl.Callback]:
-        callbacks: list[pl.Callback] = [HeartbeatCallback(self.store, rank=self.rank, generation=gen)]
+        """This generation's callbacks, in order; put them first in the Trainer's list (tier 4's
+        snapshot must run before any callback that communicates)."""
+        callbacks: list[pl.Callback] = []
+        if self.snapshots is not None:
+            self.replication = ReplicationCallback(self.snapshots, on_first_record=self._mark_state_exists)
+            callbacks.append(self.replication)
+        callbacks.append(HeartbeatCallback(self.store, rank=self.rank, generation=gen))
         if self.events is not None:
             callbacks.append(TimelineCallback(self.events, rank=self.rank, generation=gen))
         return callbacks
@@ -192,8 +236,48 @@ class InProcessRecovery:
             self.events.emit("generation", gen=new, reason="fault")
         self.recoveries += 1
 
+    def _resume_point(self, ckpt_path: str | Path | None) -> str | Path | None:
+        """Where a recovery resumes: memory (tier 4, once any step was committed), else disk."""
+        if self.snapshots is not None and self.store.store.check([_STATE_KEY]):
+            return MEMORY_CHECKPOINT
+        return self._latest_checkpoint() or ckpt_path
+
+    def _mark_state_exists(self) -> None:
+        self.store.store.set(_STATE_KEY, "1")
+
+    def _capture_live_state(self, trainer: pl.Trainer | None, err: Exception) -> None:
+        """Tier 4: keep views of this rank's live tensors if they hold its last recorded step.
+
+        Trusted only when this rank's own code did not fail (the error came from a lost peer
+        or a changed generation) and no optimizer step completed after the last snapshot.
+        """
+        if self.snapshots is None:
+            return
+        module = trainer.lightning_module if trainer is not None else None
+        trusted = (
+            module is not None
+            and (is_peer_failure(err) or isinstance(err, GenerationChanged))
+            and self.snapshots.live_step == trainer.global_step  # type: ignore[union-attr]
+        )
+        tensors = None
+        if trusted:
+            reshard_all(module)  # type: ignore[arg-type]
+            tensors = local_state_tensors(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
+        self.snapshots.capture_live(tensors, trusted=trusted)
+        if self.replication is not None:
+            self.record_s += self.replication.record_s
+            self.records += self.replication.records
+            self.replication = None
+
     def _latest_checkpoint(self) -> Path | None:
         return latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+
+    def finish(self) -> None:
+        """Account the last generation's snapshot cost (call after ``fit`` returned)."""
+        if self.replication is not None:
+            self.record_s += self.replication.record_s
+            self.records += self.replication.records
+            self.replication = None
 
     def _count_votes(self) -> None:
         if self.commit is not None:

@@ -7,6 +7,7 @@ CPU with gloo, apart from the Lightning strategy that drives them.
 
 from __future__ import annotations
 
+from ckless_lightning.replication.snapshots import FlatBuffer, Snapshot, SnapshotStore
 from ckless_lightning.replication.source_map import (
     RankReport,
     RecoveryPlan,
@@ -29,8 +30,11 @@ from ckless_lightning.replication.transfer import (
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BucketLayout",
+    "FlatBuffer",
     "RankReport",
     "RecoveryPlan",
+    "Snapshot",
+    "SnapshotStore",
     "Transfer",
     "TransferError",
     "buddy_rank",

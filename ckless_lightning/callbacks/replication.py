@@ -1,0 +1,65 @@
+"""ReplicationCallback (tier 4): after every committed step, record the state a peer could restore.
+
+Called at the end of each optimizer step (``on_train_batch_end`` of its last
+micro-batch), before any callback that communicates: the in-process recovery
+loop puts it right after ``DataPositionCallback`` (which it needs: the loader
+position in the snapshot must be the committed step). No collective runs
+between the optimizer update and this point, so a survivor's live tensors and
+its last snapshot always describe the same step.
+
+The snapshot is Lightning's own checkpoint dict without the tensors (loops,
+callbacks, LR schedulers, optimizer hyper-parameters, data position) plus the
+RNG state, pickled; the tensors stay live, or (``buddy`` source) are copied to
+host memory and to the buddy rank by the :class:`SnapshotStore`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from ckless_lightning._lightning_compat import dump_training_state
+from ckless_lightning.replication import SnapshotStore
+from ckless_lightning.replication.state import local_state_tensors, rng_state
+
+__all__ = ["ReplicationCallback"]
+
+
+class ReplicationCallback(pl.Callback):
+    """Records each committed step in ``snapshots``; ``on_first_record`` runs once (the job has state)."""
+
+    def __init__(
+        self, snapshots: SnapshotStore, *, on_first_record: Callable[[], None] | None = None
+    ) -> None:
+        self.snapshots = snapshots
+        self.on_first_record = on_first_record
+        self.record_s = 0.0
+        self.records = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After the optimizer update of a step (its last micro-batch), once per step."""
+        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
+            return
+        start = time.perf_counter()
+        strategy = trainer.strategy
+        light = getattr(strategy, "light_state", None)
+        if light is None:
+            raise TypeError("ReplicationCallback needs CheckpointlessStrategy (its light_state())")
+        with light():
+            checkpoint = dump_training_state(trainer)
+        checkpoint["ckless_rng"] = rng_state()
+        tensors = local_state_tensors(pl_module, trainer.optimizers)
+        self.snapshots.record(trainer.global_step, pickle.dumps(checkpoint), tensors)
+        if self.on_first_record is not None:
+            self.on_first_record()
+            self.on_first_record = None
+        self.record_s += time.perf_counter() - start
+        self.records += 1

@@ -1,0 +1,200 @@
+"""Tier 4: the state Lightning restores comes from memory (this rank's, or a peer's) instead of a file.
+
+The recovery loop calls ``fit(ckpt_path=MEMORY_CHECKPOINT)``; Lightning hands that
+to ``CheckpointlessStrategy.load_checkpoint``, which calls :meth:`MemoryRestore.restore`
+once the new generation's model and optimizers exist. There every rank:
+
+1. reports what it holds (:class:`~ckless_lightning.replication.SnapshotStore`):
+   its live step (None if lost or untrusted), its own and held snapshot copies;
+2. gathers every rank's report and computes the same plan
+   (:func:`~ckless_lightning.replication.plan_hsdp` / ``plan_buddy``);
+3. survivors copy their live (or rolled-back) tensors into the new model and
+   optimizer; each replaced rank receives its shard from its source in
+   checksummed buckets, in place (a bad bucket excludes that source and the
+   plan is made again); loop counters, scheduler, data position, callbacks and
+   RNG come as the pickled snapshot Lightning's own ``dump_checkpoint`` made
+   after the committed step (sent by the source to a replaced rank);
+4. returns that checkpoint dict, so Lightning restores loops, callbacks and
+   schedulers exactly as from a file.
+
+If some state has no live copy, every rank falls back to the last disk
+checkpoint and says which shards were lost: never a guess.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckless_lightning.checkpointing import latest_checkpoint
+from ckless_lightning.events import EventLog
+from ckless_lightning.replication import (
+    RecoveryPlan,
+    SnapshotStore,
+    Transfer,
+    TransferError,
+    plan_buddy,
+    plan_hsdp,
+    transfer_bytes,
+    transfer_tensors,
+)
+from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups, set_rng_state
+
+__all__ = ["MEMORY_CHECKPOINT", "MemoryRestore"]
+
+MEMORY_CHECKPOINT = "ckless-memory://committed-step"
+_MAX_PLANS = 4  # re-plans after checksum failures before giving up on memory
+
+
+class MemoryRestore:
+    """Serves one generation's restore from memory. ``restore`` is called on every rank, collectively.
+
+    Args:
+        snapshots: this rank's store (kept by the recovery loop across generations).
+        replicate, shard: the mesh; ``snapshots.mode`` picks the source ("hsdp" or "buddy").
+        checkpoint_dir: the disk fallback.
+        bucket_bytes: transfer bucket size.
+        events: where ``memory_restore`` events go.
+        corrupt: test hook passed to the transfer (flips bytes in flight on a source).
+    """
+
+    def __init__(
+        self,
+        snapshots: SnapshotStore,
+        *,
+        replicate: int,
+        shard: int,
+        checkpoint_dir: str | Path | None,
+        bucket_bytes: int,
+        events: EventLog | None = None,
+        generation: int = 0,
+        corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
+    ) -> None:
+        self.snapshots = snapshots
+        self.replicate = replicate
+        self.shard = shard
+        self.checkpoint_dir = checkpoint_dir
+        self.bucket_bytes = bucket_bytes
+        self.events = events
+        self.generation = generation
+        self.corrupt = corrupt
+
+    def restore(
+        self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> dict[str, Any] | Path:
+        """The checkpoint dict of the committed step (state already in ``module``/``optimizers``), or
+        the disk checkpoint to load instead. Raises if neither exists."""
+        snapshots = self.snapshots
+        rank = dist.get_rank()
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, snapshots.report())
+        by_rank = {r.rank: r for r in reports}  # type: ignore[union-attr]
+        tensors = local_state_tensors(module, optimizers, allocate=True)
+        exclude: frozenset[Transfer] = frozenset()
+        for _ in range(_MAX_PLANS):
+            plan = self._plan(by_rank, exclude)
+            if plan.fallback:
+                return self._fall_back(plan)
+            assert plan.step is not None
+            loop = self._fill(plan, rank, tensors)
+            bad = self._receive(plan, rank, tensors)
+            if bad:
+                exclude = exclude | bad
+                self._emit("transfer_rejected", pairs=[(p.src, p.dst) for p in sorted(bad, key=str)])
+                continue
+            payload = self._receive_loop(plan, rank, loop)
+            checkpoint = pickle.loads(payload)
+            set_param_groups(optimizers, [s["param_groups"] for s in checkpoint["optimizer_states"]])
+            set_rng_state(checkpoint.pop("ckless_rng", None))
+            snapshots.resumed_at(plan.step)
+            self._emit(
+                "memory_restore",
+                step=plan.step,
+                lost=list(plan.lost),
+                sources=[(p.src, p.dst) for p in plan.transfers],
+                rollback=sorted(plan.rollback),
+                reason=plan.reason,
+            )
+            if rank == 0:
+                print(f"tier 4: {plan.reason}", file=sys.stderr)
+            return checkpoint
+        return self._fall_back(
+            RecoveryPlan(None, (), frozenset(), tuple(sorted(by_rank)), "every source failed its checksum")
+        )
+
+    # -- pieces ----------------------------------------------------------------------------------------
+    def _plan(self, reports: dict[int, Any], exclude: frozenset[Transfer]) -> RecoveryPlan:
+        if self.snapshots.mode == "hsdp":
+            return plan_hsdp(reports, replicate=self.replicate, shard=self.shard, exclude=exclude)
+        world = self.snapshots.world_size
+        offset = self.snapshots.buddy_offset
+        return plan_buddy(reports, buddy_of=lambda r: (r + offset) % world, exclude=exclude)
+
+    def _fill(self, plan: RecoveryPlan, rank: int, tensors: list[torch.Tensor]) -> bytes:
+        """Survivors put their state of ``plan.step`` into the new tensors; returns its loop bytes."""
+        snapshots = self.snapshots
+        if rank in plan.lost:
+            return b""
+        if rank in plan.rollback:
+            copy = snapshots.own_copy(plan.step)  # type: ignore[arg-type]
+            copy_into(tensors, copy.buffer.views)
+            return copy.loop_bytes()
+        assert snapshots.live_tensors is not None and snapshots.live_loop is not None
+        copy_into(tensors, snapshots.live_tensors)
+        return snapshots.live_loop
+
+    def _receive(self, plan: RecoveryPlan, rank: int, tensors: list[torch.Tensor]) -> frozenset[Transfer]:
+        """Run the plan's transfers (all in parallel); returns the pairs whose checksum failed."""
+        if not plan.transfers:
+            return frozenset()
+        send: list[torch.Tensor] = tensors
+        source_of = {p.src: p for p in plan.transfers}
+        if rank in source_of and self.snapshots.mode == "buddy":
+            send = list(self.snapshots.held_copy(plan.step).buffer.views)  # type: ignore[arg-type]
+        ok = transfer_tensors(plan.transfers, send, bucket_bytes=self.bucket_bytes, corrupt=self.corrupt)
+        return frozenset(p for p in plan.transfers if not ok[p.dst])
+
+    def _receive_loop(self, plan: RecoveryPlan, rank: int, own_loop: bytes) -> bytes:
+        if not plan.transfers:
+            return own_loop
+        payload: bytes | None = None
+        if any(p.src == rank for p in plan.transfers):
+            payload = (
+                self.snapshots.held_copy(plan.step).loop_bytes()  # type: ignore[arg-type]
+                if self.snapshots.mode == "buddy"
+                else own_loop
+            )
+        try:
+            received = transfer_bytes(plan.transfers, payload)
+        except TransferError as err:
+            raise RuntimeError(f"loop state transfer failed its checksum: {err}") from err
+        return received if rank in plan.lost else own_loop  # type: ignore[return-value]
+
+    def _fall_back(self, plan: RecoveryPlan) -> Path:
+        disk = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        self.snapshots.resumed_at(None)
+        self._emit(
+            "memory_restore",
+            step=None,
+            lost=list(plan.lost),
+            reason=plan.reason,
+            fallback=str(disk) if disk else None,
+        )
+        if dist.get_rank() == 0:
+            print(f"tier 4: {plan.reason}; loading {disk}", file=sys.stderr)
+        if disk is None:
+            raise RuntimeError(
+                f"tier 4 cannot recover: {plan.reason}, and there is no disk checkpoint in "
+                f"{self.checkpoint_dir} to fall back to; set checkpoint.every_n_steps"
+            )
+        return disk
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(kind, rank=dist.get_rank(), gen=self.generation, **fields)

@@ -1,0 +1,198 @@
+"""What a rank keeps in host memory for tier 4, across generations: its live state's step and
+loop counters, and (``buddy`` source) snapshot copies of its own shard and of its ward's.
+
+Buddy placement: rank r's copies live on ``buddy_rank(r)`` = (r + offset) % world;
+the rank whose copies r holds is its *ward*, (r - offset) % world. After every
+``every_n_steps``-th committed step each rank copies its local state into one
+of two own slots (double-buffered, so a fault during a copy never leaves a rank
+without a complete one), sends that slot to its buddy and receives its ward's
+into one of two held slots. The exchange runs asynchronously on its own gloo
+group, overlapped with the next step; it is settled (waited for) before the
+next exchange and before the rank leaves a generation.
+
+Nothing here knows Lightning: the loop counters arrive as opaque bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckless_lightning.replication.source_map import RankReport, buddy_rank
+
+__all__ = ["FlatBuffer", "Snapshot", "SnapshotStore"]
+
+_ALIGN = 8
+_HEADER = 8  # the loop buffer starts with its payload length (int64)
+
+
+class FlatBuffer:
+    """One contiguous uint8 host buffer with a typed view per tensor (8-byte aligned)."""
+
+    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+        offsets, total = [], 0
+        for t in like:
+            offsets.append(total)
+            total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+        self.flat = torch.zeros(max(total, _ALIGN), dtype=torch.uint8)
+        self.views = [
+            self.flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for off, t in zip(offsets, like, strict=True)
+        ]
+
+    def matches(self, like: Sequence[torch.Tensor]) -> bool:
+        return len(like) == len(self.views) and all(
+            v.shape == t.shape and v.dtype == t.dtype for v, t in zip(self.views, like, strict=True)
+        )
+
+
+@dataclass
+class Snapshot:
+    """One copy of a rank's state at ``step``; ``complete`` once fully written (or received)."""
+
+    buffer: FlatBuffer
+    loop: torch.Tensor  # uint8: 8-byte length, then the pickled loop state
+    step: int = -1
+    complete: bool = False
+
+    def loop_bytes(self) -> bytes:
+        n = int(self.loop[:_HEADER].view(torch.int64).item())
+        return bytes(self.loop[_HEADER : _HEADER + n].numpy())
+
+
+@dataclass
+class _Exchange:
+    works: list[Any]
+    held: Snapshot | None
+    step: int
+
+
+@dataclass
+class SnapshotStore:
+    """Per rank process. ``mode`` is "hsdp" (live state only) or "buddy" (plus copies)."""
+
+    rank: int
+    world_size: int
+    mode: str
+    every_n_steps: int = 1
+    buddy_offset: int = 1
+    loop_capacity: int = 1 << 20
+    live_step: int | None = None  # step of the live tensors, None if untrusted
+    live_loop: bytes | None = None
+    live_tensors: list[torch.Tensor] | None = None  # captured when leaving a generation
+    own: list[Snapshot] = field(default_factory=list)
+    held: list[Snapshot] = field(default_factory=list)
+    group: Any = None  # the exchange's process group (buddy), one per generation
+    _pending: _Exchange | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("hsdp", "buddy"):
+            raise ValueError(f"replication.source must be hsdp or buddy, got {self.mode!r}")
+        self.buddy = buddy_rank(self.rank, world_size=self.world_size, offset=self.buddy_offset)
+        self.ward = (self.rank - self.buddy_offset) % self.world_size
+
+    # -- steady state ----------------------------------------------------------------------------------
+    def record(self, step: int, loop: bytes, tensors: Sequence[torch.Tensor]) -> None:
+        """After committed step ``step``: remember its loop state; every k-th step, copy and exchange."""
+        self.live_step, self.live_loop = step, loop
+        if self.mode != "buddy" or step % self.every_n_steps:
+            return
+        self.settle()
+        own = self._slot(self.own, tensors, step)
+        with torch.no_grad():
+            for view, t in zip(own.buffer.views, tensors, strict=True):
+                view.copy_(t)
+        self._write_loop(own, loop)
+        own.step, own.complete = step, True
+        held = self._slot(self.held, tensors, step)
+        held.complete = False
+        ops = [
+            dist.P2POp(dist.isend, own.buffer.flat, peer=self.buddy, group=self.group),
+            dist.P2POp(dist.isend, own.loop, peer=self.buddy, group=self.group),
+            dist.P2POp(dist.irecv, held.buffer.flat, peer=self.ward, group=self.group),
+            dist.P2POp(dist.irecv, held.loop, peer=self.ward, group=self.group),
+        ]
+        held.step = step
+        self._pending = _Exchange(dist.batch_isend_irecv(ops), held, step)
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """Wait for the exchange in flight, if any; True if it completed (the held copy is usable)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return True
+        try:
+            for work in pending.works:
+                if timeout_s is None:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError:  # a peer of the exchange is gone: that held copy is incomplete
+            if pending.held is not None:
+                pending.held.complete = False
+            return False
+        if pending.held is not None:
+            pending.held.complete = True
+        return True
+
+    # -- recovery --------------------------------------------------------------------------------------
+    def capture_live(self, tensors: list[torch.Tensor] | None, *, trusted: bool) -> None:
+        """On leaving a generation: keep the live tensors (views) if this rank's state is trustworthy."""
+        self.settle()
+        if not trusted or tensors is None:
+            self.live_step, self.live_loop, self.live_tensors = None, None, None
+        else:
+            self.live_tensors = tensors
+
+    def report(self) -> RankReport:
+        has_live = self.live_tensors is not None and self.live_step is not None
+        own = frozenset(s.step for s in self.own if s.complete)
+        held = frozenset(s.step for s in self.held if s.complete)
+        return RankReport(
+            rank=self.rank,
+            live_step=self.live_step if has_live else None,
+            own_steps=own,
+            held={self.ward: held} if self.mode == "buddy" else {},
+        )
+
+    def own_copy(self, step: int) -> Snapshot:
+        return next(s for s in self.own if s.complete and s.step == step)
+
+    def held_copy(self, step: int) -> Snapshot:
+        return next(s for s in self.held if s.complete and s.step == step)
+
+    def resumed_at(self, step: int | None) -> None:
+        """Training resumes at ``step`` (None: from disk): drop the live capture and newer copies."""
+        self.live_tensors = None
+        for slot in [*self.own, *self.held]:
+            if step is None or slot.step > step:
+                slot.complete = False
+
+    def host_bytes(self) -> int:
+        """Host memory held for copies (both own and held slots)."""
+        return sum(s.buffer.flat.numel() + s.loop.numel() for s in [*self.own, *self.held])
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _slot(self, slots: list[Snapshot], like: Sequence[torch.Tensor], step: int) -> Snapshot:
+        """The slot to overwrite: a fresh one while fewer than two, else the older/incomplete one."""
+        if len(slots) < 2:
+            slots.append(Snapshot(FlatBuffer(like), torch.zeros(self.loop_capacity, dtype=torch.uint8)))
+            return slots[-1]
+        slot = min(slots, key=lambda s: (s.complete, s.step))
+        if not slot.buffer.matches(like):
+            slot.buffer = FlatBuffer(like)
+        slot.complete = False
+        return slot
+
+    def _write_loop(self, slot: Snapshot, loop: bytes) -> None:
+        if len(loop) + _HEADER > slot.loop.numel():
+            raise ValueError(
+                f"the loop state is {len(loop)} bytes, more than replication.loop_capacity_mb allows "
+                f"({slot.loop.numel() - _HEADER} bytes); raise replication.loop_capacity_mb"
+            )
+        slot.loop[:_HEADER].view(torch.int64)[0] = len(loop)
+        slot.loop[_HEADER : _HEADER + len(loop)].copy_(torch.frombuffer(bytearray(loop), dtype=torch.uint8))

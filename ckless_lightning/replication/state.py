@@ -1,0 +1,107 @@
+"""A rank's training state as a flat list of local tensors, in an order every rank agrees on.
+
+Parameters (each FSDP2 DTensor's local shard) in name order, each followed by
+its optimizer state tensors in key order. Two ranks that hold the same shard
+(HSDP replicas; a rank and its replacement) get lists of the same shapes and
+dtypes, which is what the bucketed transfer needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ckless_lightning._torch_compat import init_optimizer_state
+
+__all__ = [
+    "copy_into",
+    "local_state_tensors",
+    "param_groups_of",
+    "reshard_all",
+    "rng_state",
+    "set_param_groups",
+    "set_rng_state",
+]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Put every FSDP2 module back in its sharded state (a fault may have left some unsharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+def local_state_tensors(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, allocate: bool = False
+) -> list[torch.Tensor]:
+    """Local parameter shards and their optimizer state, in a fixed order.
+
+    With ``allocate``, optimizer state that does not exist yet is created first
+    (a rank about to receive it). Tensors are returned as they are (views of the
+    live storage), not copied; all must be contiguous.
+    """
+    if allocate:
+        for optimizer in optimizers:
+            init_optimizer_state(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for optimizer in optimizers:
+        for param, values in optimizer.state.items():
+            state[id(param)] = values
+    tensors: list[torch.Tensor] = []
+    for _, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+        tensors.append(_local(param.data))
+        for key in sorted(state.get(id(param), {})):
+            value = state[id(param)][key]
+            if isinstance(value, torch.Tensor):
+                tensors.append(_local(value))
+    for t in tensors:
+        assert t.is_contiguous(), "local state tensors must be contiguous"
+    return tensors
+
+
+def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """Copy ``src`` into ``dst`` tensor by tensor (same shapes and dtypes), without autograd."""
+    if len(dst) != len(src):
+        raise ValueError(f"state has {len(src)} tensors, the model expects {len(dst)}")
+    with torch.no_grad():
+        for d, s in zip(dst, src, strict=True):
+            if d.shape != s.shape or d.dtype != s.dtype:
+                raise ValueError(f"state tensor {tuple(s.shape)}/{s.dtype} != {tuple(d.shape)}/{d.dtype}")
+            d.copy_(s)
+
+
+def param_groups_of(optimizers: Sequence[torch.optim.Optimizer]) -> list[list[dict[str, Any]]]:
+    """Each optimizer's hyper-parameters (lr, betas, ...) per group, without the parameters."""
+    return [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
+
+
+def set_param_groups(optimizers: Sequence[torch.optim.Optimizer], groups: list[list[dict[str, Any]]]) -> None:
+    for optimizer, saved in zip(optimizers, groups, strict=True):
+        for group, values in zip(optimizer.param_groups, saved, strict=True):
+            group.update(values)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG state (CPU, and CUDA where present), stored with each loop snapshot."""
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict[str, Any] | None) -> None:
+    if state is None:
+        return
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
