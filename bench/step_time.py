@@ -37,6 +37,7 @@ def run_config(recipe: str, ranks: int, steps: int, warmup: int, work: Path) -> 
         "checkpoint.every_n_steps=0",
         "checkpoint.save_final=false",
         "fault=none",
+        "tier=0",  # plain training; tier 4's overhead is measured by bench/recovery.py
     ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:

@@ -56,6 +56,7 @@ class CausalLMModule(pl.LightningModule):
         self.seed = seed
         self.max_steps = max_steps
         self.model: nn.Module | None = None
+        self.last_lm_loss: torch.Tensor | None = None  # of the micro-batch in flight
         self.save_hyperparameters(
             {"model": asdict(model_config), "optim": asdict(optim), "seed": seed, "max_steps": max_steps}
         )
@@ -92,7 +93,8 @@ class CausalLMModule(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         loss, lm_loss = self.compute_loss(batch)
-        return {"loss": loss, "lm_loss": lm_loss.detach()}
+        self.last_lm_loss = lm_loss.detach()  # LossHistoryCallback reads it before the update
+        return {"loss": loss, "lm_loss": self.last_lm_loss}
 
     @override
     def configure_optimizers(self) -> Any:

@@ -86,7 +86,7 @@ def test_cfg_job_prints_composed_config(tmp_path):
         (["fault=kill", "fault.type=explode"], "fault.type"),
         (["fault=kill", "fault.rank=4"], "fault.rank"),
         (["fault=node_loss"], "cluster.nnodes"),
-        (["tier=4"], "tier=4"),
+        (["tier=4", "replication.source=hsdp"], "cluster.replicate >= 2"),
         (["tier=2", "fault=kill", "fault.phase=recovery"], "fault.phase=recovery"),
     ],
 )

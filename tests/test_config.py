@@ -85,3 +85,46 @@ def test_big_recipe_refused_with_its_plan(compose):
         check_fits(plan, available=24 << 30, source="test machine")
     message = str(err.value)
     assert "70.55B" in message and "dry_run=true" in message and "replicate=1 x shard=64" in message
+
+
+def test_default_run_is_tier4_with_a_demo_kill(compose):
+    job = job_config_from_dict(compose())
+    assert job.recipe == "llama3_tiny" and job.tier == 4 and job.comm.rootless
+    assert job.replication.resolved_source(job.cluster.replicate) == "buddy"
+    assert (job.fault.type, job.fault.rank) == ("kill", 1) and 1 < job.fault.step < job.trainer.max_steps
+
+
+def test_tier4_without_redundancy_fails_naming_the_keys(compose):
+    with pytest.raises(ValueError, match=r"cluster\.replicate >= 2.*replication\.source=buddy"):
+        job_config_from_dict(compose("tier='4'", "replication.source=hsdp", "fault=none"))
+    job = job_config_from_dict(compose("tier='4'", "cluster.replicate=2", "fault=none"))
+    assert job.replication.resolved_source(2) == "hsdp"
+
+
+def test_buddy_on_its_own_node_fails_before_ranks(compose):
+    two_nodes = (
+        "cluster.nnodes=2",
+        "cluster.nproc_per_node=2",
+        "cluster.master_port=29400",
+        "fault=none",
+        "tier='4'",
+    )
+    job = job_config_from_dict(compose(*two_nodes))  # default: the next node
+    assert job.replication.resolved_offset(2, 2) == 2
+    with pytest.raises(ValueError, match=r"replication\.buddy_offset=1 .* own node"):
+        job_config_from_dict(compose(*two_nodes, "replication.buddy_offset=1"))
+    with pytest.raises(ValueError, match=r"replication\.buddy_offset=4 makes every rank its own buddy"):
+        job_config_from_dict(compose(*two_nodes, "replication.buddy_offset=4"))
+
+
+def test_fault_plan_and_recovery_phase_checks(compose):
+    with pytest.raises(ValueError, match=r"fault\.phase=recovery needs in-process recovery"):
+        job_config_from_dict(compose("tier='1'", "fault=kill", "fault.phase=recovery"))
+    with pytest.raises(ValueError, match=r"fault\.plan\[1\]: fault\.rank=9 is outside"):
+        job_config_from_dict(
+            compose("tier='3'", "fault=plan", "fault.plan=[{type:kill,rank:1},{type:kill,rank:9}]")
+        )
+    with pytest.raises(ValueError, match=r"fault\.type=corrupt .* use tier=4"):
+        job_config_from_dict(compose("tier='3'", "fault=kill", "fault.type=corrupt", "fault.phase=recovery"))
+    job = job_config_from_dict(compose("tier='3'", "fault=plan", "fault.plan=[{type:kill,rank:1,step:3}]"))
+    assert [(f.type, f.rank, f.step) for f in job.fault.plan_entries()] == [("kill", 1, 3)]
