@@ -325,6 +325,11 @@ class JobConfig:
                 f"fault.type=corrupt corrupts a tier-4 peer-to-peer transfer, but tier={self.tier}; "
                 "use tier=4"
             )
+        if self.tier != 4 and any(f.phase == "transfer" for f in faults):
+            raise ValueError(
+                f"fault.phase=transfer hits tier 4's peer-to-peer state transfer, but tier={self.tier}; "
+                "use tier=4"
+            )
         if self.tier < 3:
             if any(f.phase == "recovery" for f in faults):
                 raise ValueError(

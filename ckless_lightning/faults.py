@@ -36,12 +36,13 @@ __all__ = [
     "plan_faults",
 ]
 
-# "corrupt" (tier 4, phase "recovery"): the rank, as a transfer source, flips a byte of a bucket in flight.
+# "corrupt" (tier 4, phase "transfer"): the rank, as a transfer source, flips a byte of a bucket in flight.
 FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "corrupt", "random", "plan")
 # Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
-# then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4).
+# then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4), between
+# leaving a generation and joining the next; "transfer": as the ranks start tier 4's state transfer.
 STEP_PHASES = ("data", "forward", "backward", "grad_reduction", "commit", "optimizer")
-PHASES = (*STEP_PHASES, "recovery")
+PHASES = (*STEP_PHASES, "recovery", "transfer")
 INJECTORS = ("inside", "outside")
 # Types a random schedule may draw from (node_loss is targeted only: it names a node).
 RANDOM_FAULT_TYPES = ("kill", "hang", "exception")
@@ -59,7 +60,8 @@ class FaultConfig:
     ``types`` by ``random``; ``plan`` by ``plan``: a list of faults, each a mapping of
     this section's targeted keys (``type``, ``rank``, ``step``, ``phase``, ``injected_by``, ``node``).
     A ``recovery``-phase fault of step N fires in the first in-process recovery (tiers 3-4)
-    that begins once the rank has started step N.
+    that begins once the rank has started step N; a ``transfer``-phase one as the ranks start
+    tier 4's state transfer in such a recovery.
     Checks that need the job's shape are in :meth:`validate_against`.
     """
 
@@ -102,10 +104,10 @@ class FaultConfig:
                 f"fault.types may only contain {_choices(RANDOM_FAULT_TYPES)}, got {unknown}; "
                 "a node loss is targeted: use fault=node_loss"
             )
-        if self.type == "corrupt" and (self.phase != "recovery" or self.injected_by != "inside"):
+        if self.type == "corrupt" and (self.phase != "transfer" or self.injected_by != "inside"):
             raise ValueError(
                 "fault.type=corrupt flips bytes of a tier-4 recovery transfer sent by fault.rank: "
-                "set fault.phase=recovery and fault.injected_by=inside"
+                "set fault.phase=transfer and fault.injected_by=inside"
             )
         if self.injected_by == "outside":
             if self.type == "exception":

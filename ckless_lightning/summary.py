@@ -247,7 +247,8 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
     if loaded:
         fault.resumed_from_step = loaded.get(0, loaded[min(loaded)]).get("step")
     if fault.fault_step is not None and fault.resumed_from_step is not None:
-        fault.steps_lost = fault.fault_step - 1 - fault.resumed_from_step
+        # Tier 4 may resume past the fault's step (committed before a rank died in its update).
+        fault.steps_lost = max(0, fault.fault_step - 1 - fault.resumed_from_step)
     return fault
 
 

@@ -253,6 +253,7 @@ def _fit_in_process(
         snapshots=snapshots,
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
         corrupt=recovery_faults.corrupt_transfer,
+        on_transfer=recovery_faults.on_transfer,
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(

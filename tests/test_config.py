@@ -125,6 +125,6 @@ def test_fault_plan_and_recovery_phase_checks(compose):
             compose("tier='3'", "fault=plan", "fault.plan=[{type:kill,rank:1},{type:kill,rank:9}]")
         )
     with pytest.raises(ValueError, match=r"fault\.type=corrupt .* use tier=4"):
-        job_config_from_dict(compose("tier='3'", "fault=kill", "fault.type=corrupt", "fault.phase=recovery"))
+        job_config_from_dict(compose("tier='3'", "fault=kill", "fault.type=corrupt", "fault.phase=transfer"))
     job = job_config_from_dict(compose("tier='3'", "fault=plan", "fault.plan=[{type:kill,rank:1,step:3}]"))
     assert [(f.type, f.rank, f.step) for f in job.fault.plan_entries()] == [("kill", 1, 3)]

@@ -25,6 +25,8 @@ optimizer       ``Optimizer.register_step_post_hook``, put on    this rank's par
                                                                  checkpoint not yet
 recovery        :meth:`FaultInjectionCallback.on_recovery`,      left the failed generation, not yet
                 called by the in-process recovery loop           joined the next
+transfer        :meth:`FaultInjectionCallback.on_transfer`,      tier 4: joined; the state transfer
+                called as tier 4's transfer starts               (a collective) is starting
 ==============  ===============================================  ====================================
 
 The real optimizer's step hooks fire after the vote because
@@ -139,6 +141,15 @@ class FaultInjectionCallback(pl.Callback):
             if s.phase == "recovery" and s.fault_type != "corrupt" and last_step >= s.step - 1
         ]
         self._fire("recovery")
+
+    def on_transfer(self, last_step: int) -> None:
+        """Tier 4: called on every rank as the state transfer of a recovery starts: ``transfer`` faults."""
+        self._due = [
+            s
+            for s in self.specs
+            if s.phase == "transfer" and s.fault_type != "corrupt" and last_step >= s.step - 1
+        ]
+        self._fire("transfer")
 
     def corrupt_transfer(self, pair: Any, bucket: int, buffer: torch.Tensor) -> None:
         """Tier 4 transfer hook on a source: a due ``corrupt`` fault flips the first byte of bucket 0."""

@@ -76,6 +76,8 @@ class InProcessRecovery:
             memory (``source="memory"``) instead of the last disk checkpoint.
         bucket_bytes: tier 4: transfer bucket size.
         corrupt: tier 4 test hook: flips bytes of a bucket in flight on a source.
+        on_transfer: tier 4: called with the last completed step as a state transfer starts
+            (fault injection's ``transfer`` phase).
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class InProcessRecovery:
         snapshots: SnapshotStore | None = None,
         bucket_bytes: int = 64 << 20,
         corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
+        on_transfer: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -110,6 +113,7 @@ class InProcessRecovery:
         self.snapshots = snapshots
         self.bucket_bytes = bucket_bytes
         self.corrupt = corrupt
+        self.on_transfer = on_transfer or (lambda step: None)
         self.replication: ReplicationCallback | None = None  # the current generation's (its cost)
         self.record_s = 0.0
         self.records = 0
@@ -194,6 +198,7 @@ class InProcessRecovery:
                 events=self.events,
                 generation=gen,
                 corrupt=self.corrupt,
+                on_transfer=lambda: self.on_transfer(self.session.last_step),
             )
         return CheckpointlessStrategy(
             replicate=self.replicate,
@@ -253,6 +258,11 @@ class InProcessRecovery:
         """
         if self.snapshots is None:
             return
+        if self.snapshots.live_tensors is not None:
+            # The fault hit the restore itself (e.g. a peer lost during the transfer): the state
+            # captured when leaving the generation before is still the one to restore, untouched.
+            self._collect_snapshot_cost()
+            return
         module = trainer.lightning_module if trainer is not None else None
         trusted = (
             module is not None
@@ -264,6 +274,9 @@ class InProcessRecovery:
             reshard_all(module)  # type: ignore[arg-type]
             tensors = local_state_tensors(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
         self.snapshots.capture_live(tensors, trusted=trusted)
+        self._collect_snapshot_cost()
+
+    def _collect_snapshot_cost(self) -> None:
         if self.replication is not None:
             self.record_s += self.replication.record_s
             self.records += self.replication.records
@@ -274,10 +287,7 @@ class InProcessRecovery:
 
     def finish(self) -> None:
         """Account the last generation's snapshot cost (call after ``fit`` returned)."""
-        if self.replication is not None:
-            self.record_s += self.replication.record_s
-            self.records += self.replication.records
-            self.replication = None
+        self._collect_snapshot_cost()
 
     def _count_votes(self) -> None:
         if self.commit is not None:

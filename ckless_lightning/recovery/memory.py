@@ -62,6 +62,7 @@ class MemoryRestore:
         bucket_bytes: transfer bucket size.
         events: where ``memory_restore`` events go.
         corrupt: test hook passed to the transfer (flips bytes in flight on a source).
+        on_transfer: called on every rank as a transfer starts (fault injection's ``transfer`` phase).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class MemoryRestore:
         events: EventLog | None = None,
         generation: int = 0,
         corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
+        on_transfer: Callable[[], None] | None = None,
     ) -> None:
         self.snapshots = snapshots
         self.replicate = replicate
@@ -84,6 +86,7 @@ class MemoryRestore:
         self.events = events
         self.generation = generation
         self.corrupt = corrupt
+        self.on_transfer = on_transfer or (lambda: None)
 
     def restore(
         self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
@@ -153,6 +156,7 @@ class MemoryRestore:
         """Run the plan's transfers (all in parallel); returns the pairs whose checksum failed."""
         if not plan.transfers:
             return frozenset()
+        self.on_transfer()
         send: list[torch.Tensor] = tensors
         source_of = {p.src: p for p in plan.transfers}
         if rank in source_of and self.snapshots.mode == "buddy":

@@ -1,0 +1,152 @@
+"""Tier 4 on 4 CPU ranks: replaced ranks get their state from peers' memory; no step is lost.
+
+Runs train 12 steps. Without disk checkpoints (``checkpoint.every_n_steps=0``:
+only the final one is written, for the comparison), a replaced rank cannot
+read its state from any file: it must come from a replica peer (HSDP 2x2) or a
+buddy's host copy (FSDP 1x4). Every run ends bitwise equal to the fault-free
+run of the same mesh: weights, optimizer state, every step's loss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from checkpoint_utils import assert_same_run
+from conftest import launch_job
+from test_agent import events_of, job_processes
+from test_tier3 import pids_by_rank, plan_override
+
+from ckless_lightning.summary import summarize_run
+
+STEPS = 12
+COMMON = (f"trainer.max_steps={STEPS}", "tier=4", "agent.hang_timeout=6", "agent.max_restarts=10")
+HSDP = ("cluster.replicate=2", "replication.source=hsdp")
+BUDDY = ("replication.source=buddy",)
+NO_DISK = ("checkpoint.every_n_steps=0",)
+
+MESHES = {
+    ("llama3_tiny", "buddy"): BUDDY,
+    ("llama3_tiny", "hsdp"): HSDP,
+    ("mixtral_tiny", "buddy"): BUDDY,
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, data_cache) -> dict[tuple[str, str], Path]:
+    runs = {}
+    for (recipe, source), mesh in MESHES.items():
+        run = tmp_path_factory.mktemp(f"reference-{recipe}-{source}")
+        launch_job(run, data_cache, f"recipe={recipe}", *COMMON, *mesh, *NO_DISK)
+        runs[recipe, source] = run
+    return runs
+
+
+def restores(run: Path) -> list[dict]:
+    """One ``memory_restore`` record per recovery (rank 0's), in time order."""
+    return sorted((e for e in events_of(run, "memory_restore") if e["rank"] == 0), key=lambda e: e["t"])
+
+
+def run_plan(tmp_path, data_cache, recipe, mesh, plan, *extra) -> Path:
+    run = tmp_path / "run"
+    launch_job(
+        run,
+        data_cache,
+        f"recipe={recipe}",
+        *COMMON,
+        *mesh,
+        "fault=plan",
+        plan_override(plan),
+        *extra,
+        timeout=600,
+    )
+    summary = summarize_run(run)
+    assert summary.exit_code == 0, summary.format()
+    assert not job_processes(run)
+    return run
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("recipe", "source", "plan"),
+    [
+        # Each rank position killed once, mid-step and during its optimizer step.
+        (
+            "llama3_tiny",
+            "buddy",
+            [
+                ("kill", 0, 3, "forward"),
+                ("kill", 1, 5, "optimizer"),
+                ("kill", 2, 7, "backward"),
+                ("kill", 3, 9, "optimizer"),
+            ],
+        ),
+        # Two at once in different replicas; a second fault while the job recovers; an exception.
+        (
+            "llama3_tiny",
+            "hsdp",
+            [
+                ("kill", 0, 3, "forward"),
+                ("kill", 3, 3, "forward"),
+                ("kill", 1, 6, "optimizer"),
+                ("kill", 2, 6, "recovery"),
+                ("exception", 3, 9, "grad_reduction"),
+            ],
+        ),
+        (
+            "mixtral_tiny",
+            "buddy",
+            [
+                ("kill", 1, 4, "forward"),
+                ("kill", 3, 4, "transfer"),  # a second fault as the first one's transfer starts
+                ("exception", 2, 6, "optimizer"),
+                ("kill", 3, 8, "commit"),
+            ],
+        ),
+    ],
+)
+def test_replaced_ranks_restore_from_memory_bitwise(tmp_path, data_cache, references, recipe, source, plan):
+    run = run_plan(tmp_path, data_cache, recipe, MESHES[recipe, source], plan, *NO_DISK)
+    assert_same_run(run, references[recipe, source], tmp_path, STEPS)
+
+    # No file was read: there is no disk checkpoint before the final one, and every recovery
+    # was served from memory (a fallback would have failed for want of a checkpoint).
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step00000012.ckpt"]
+    done = restores(run)
+    assert done and all(r["step"] is not None for r in done), done
+    lost = {rank for r in done for rank in r["lost"]}
+    killed = {rank for kind, rank, _, _ in plan if kind in ("kill", "exception")}
+    assert killed <= lost, (killed, done)
+    if source == "hsdp":
+        assert all(not r["rollback"] for r in done), done  # a replica always holds the live step
+    # A rank killed during its optimizer step (after the commit) leaves its buddy's copy one
+    # step behind: everyone rolls back that one step; otherwise nothing is redone.
+    steps_lost = [f.steps_lost for f in summarize_run(run).faults if f.steps_lost is not None]
+    assert steps_lost and all(n == 0 for n in steps_lost), summarize_run(run).format()
+    # Survivors kept their process: only killed ranks changed pid.
+    pids = pids_by_rank(run)
+    for rank in range(4):
+        kills = sum(1 for kind, r, _, _ in plan if kind == "kill" and r == rank)
+        assert len(pids[rank]) == 1 + kills, (rank, pids[rank])
+
+
+@pytest.mark.timeout(900)
+def test_lost_replica_pair_and_corrupt_bucket_fall_back_to_disk(tmp_path, data_cache, references):
+    """Shard 1 of both replicas killed at once: no live copy, so the job reloads the step-4
+    checkpoint and says which shard was lost. Then a replaced rank's only source corrupts a
+    bucket in flight: detected, never trained on, and the job falls back to disk again."""
+    plan = [
+        ("kill", 1, 5, "forward"),
+        ("kill", 3, 5, "forward"),
+        ("kill", 1, 9, "forward"),
+        ("corrupt", 3, 9, "transfer"),
+    ]
+    run = run_plan(tmp_path, data_cache, "llama3_tiny", HSDP, plan, "checkpoint.every_n_steps=4")
+    assert_same_run(run, references["llama3_tiny", "hsdp"], tmp_path, STEPS)
+    done = restores(run)
+    fallbacks = [r for r in done if r["step"] is None]
+    assert [Path(r["fallback"]).name for r in fallbacks] == ["step00000004.ckpt", "step00000008.ckpt"], done
+    assert "no live copy of shard 1" in fallbacks[0]["reason"], fallbacks[0]
+    rejected = events_of(run, "transfer_rejected")
+    assert rejected and all(pairs == [[3, 1]] for pairs in (e["pairs"] for e in rejected)), rejected
+    assert [e["fault_type"] for e in events_of(run, "fault_injected")].count("corrupt") == 1
