@@ -192,6 +192,7 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=0)
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--accelerator", default="cpu", help="cpu (gloo) or gpu (NCCL, one GPU per rank)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -200,7 +201,7 @@ def main() -> None:
 
     def make_trainer(strategy: Any, callbacks: list[pl.Callback]) -> pl.Trainer:
         return pl.Trainer(
-            accelerator="cpu",
+            accelerator=args.accelerator,
             devices=world_size,
             num_nodes=1,
             strategy=strategy,
