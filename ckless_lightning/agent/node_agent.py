@@ -43,6 +43,8 @@ __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
 
 EXIT_FAULT_BUDGET = 75  # EX_TEMPFAIL: "try again later" - the scheduler may requeue the job
 _SETTLE_S = 0.3  # after a first failure, collect the cascade before blaming one rank
+# Tiers 3-4: survivors stay alive, so there is little cascade to wait for; a replacement is urgent.
+_SETTLE_IN_PROCESS_S = 0.05
 _PEER_REPORT_S = 2.0  # how long to wait for the agent of a remote culprit to report it
 
 
@@ -195,7 +197,7 @@ class NodeAgent:
             codes.update({rank: 0 for rank in self._finished})
             failed = [rank for rank, code in codes.items() if code not in (None, 0)]
             if failed:
-                time.sleep(_SETTLE_S)  # let a cascade (a peer aborting with the dead one) show itself
+                time.sleep(_SETTLE_IN_PROCESS_S)  # a peer aborting with the dead one shows itself
                 next_gen = self._replace_failed(gen)
                 if next_gen is None:
                     return self._give_up_exit()

@@ -10,7 +10,8 @@ its last snapshot always describe the same step.
 The snapshot is Lightning's own checkpoint dict without the tensors (loops,
 callbacks, LR schedulers, optimizer hyper-parameters, data position) plus the
 RNG state, pickled; the tensors stay live, or (``buddy`` source) are copied to
-host memory and to the buddy rank by the :class:`SnapshotStore`.
+host memory and to the buddy rank by the :class:`SnapshotStore`; that exchange
+runs in the background and is waited for before the next step's first batch.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ class ReplicationCallback(pl.Callback):
         self.on_first_record = on_first_record
         self.record_s = 0.0
         self.records = 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Before each micro-batch: the previous step's buddy exchange must have completed.
+
+        It overlaps the end of the previous step (logging, checkpointing) and the batch
+        fetch; waiting here means a fault anywhere in this step finds every buddy copy of the
+        last committed step complete, so only a fault inside an update can cost a step.
+        """
+        self.snapshots.settle()
 
     @override
     def on_train_batch_end(

@@ -7,8 +7,10 @@ the rank whose copies r holds is its *ward*, (r - offset) % world. After every
 of two own slots (double-buffered, so a fault during a copy never leaves a rank
 without a complete one), sends that slot to its buddy and receives its ward's
 into one of two held slots. The exchange runs asynchronously on its own gloo
-group, overlapped with the next step; it is settled (waited for) before the
-next exchange and before the rank leaves a generation.
+group, overlapped with the end of the step (logging, checkpointing) and the next
+batch fetch; it is settled (waited for) before the next step's first batch
+(``ReplicationCallback``) and before the rank leaves a generation, so a fault
+during a step always finds the last committed step's copies complete.
 
 Nothing here knows Lightning: the loop counters arrive as opaque bytes.
 """
