@@ -273,6 +273,7 @@ def _fit_in_process(
             recoveries=recovery.recoveries,
             snapshots=recovery.records,
             snapshot_s=round(recovery.record_s, 6),
+            exchange_wait_s=round(recovery.settle_s, 6),
             host_copy_bytes=snapshots.host_bytes() if snapshots is not None else 0,
         )
     return trainer

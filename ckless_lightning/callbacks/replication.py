@@ -39,7 +39,8 @@ class ReplicationCallback(pl.Callback):
     ) -> None:
         self.snapshots = snapshots
         self.on_first_record = on_first_record
-        self.record_s = 0.0
+        self.record_s = 0.0  # taking snapshots (dump, pickle, host copy, posting the exchange)
+        self.settle_s = 0.0  # waiting for the exchange before the next step
         self.records = 0
 
     @override
@@ -52,7 +53,9 @@ class ReplicationCallback(pl.Callback):
         fetch; waiting here means a fault anywhere in this step finds every buddy copy of the
         last committed step complete, so only a fault inside an update can cost a step.
         """
+        start = time.perf_counter()
         self.snapshots.settle()
+        self.settle_s += time.perf_counter() - start
 
     @override
     def on_train_batch_end(

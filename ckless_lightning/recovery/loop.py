@@ -116,6 +116,7 @@ class InProcessRecovery:
         self.on_transfer = on_transfer or (lambda step: None)
         self.replication: ReplicationCallback | None = None  # the current generation's (its cost)
         self.record_s = 0.0
+        self.settle_s = 0.0
         self.records = 0
         self.recoveries = 0
         self.commit: StepCommit | None = None  # the current generation's vote (its cost: wait_s, votes)
@@ -279,6 +280,7 @@ class InProcessRecovery:
     def _collect_snapshot_cost(self) -> None:
         if self.replication is not None:
             self.record_s += self.replication.record_s
+            self.settle_s += self.replication.settle_s
             self.records += self.replication.records
             self.replication = None
 
