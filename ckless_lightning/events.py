@@ -38,9 +38,18 @@ last_step: int | None}
     The agent of ``node`` stopped these ranks of generation ``gen``.
 ``generation`` {gen, reason}
     The job moved to generation ``gen`` (an agent, or at tiers 3-4 the first rank to leave).
-``commit_votes`` {rank, votes, vote_s, recoveries}
-    Tiers 3-4, at the end of a rank's training: how many commit votes it cast and
-    the seconds it spent in them, and how many in-process recoveries it went through.
+``commit_votes`` {rank, votes, vote_s, recoveries, snapshots, snapshot_s, exchange_wait_s, host_copy_bytes}
+    Tiers 3-4, at the end of a rank's training: the commit votes it cast and the
+    seconds spent in them, its in-process recoveries, and (tier 4) its per-step
+    snapshots, their cost, the wait for buddy exchanges and the host memory of copies.
+``memory_restore`` {rank, gen, step, lost, sources, rollback, reason, fallback?}
+    Tier 4, per rank and recovery: the committed step restored (None: fell back to
+    the disk checkpoint ``fallback``), the lost ranks, the (source, destination)
+    transfers, the ranks that rolled back to their own copy, and why.
+``transfer_rejected`` {rank, gen, pairs}
+    Tier 4: these (source, destination) transfers failed their checksum; re-planned.
+``rank_end`` {rank, pid, threads, tcp_sockets, tcp_states, process_groups}
+    Tiers 3-4: a rank's process after training (leak checks).
 ``giveup`` {reason, exit_code}
     The agent stopped recovering (e.g. fault budget spent); the job exits with ``exit_code``.
 ``job_end`` {exit_code, final_step}
@@ -79,6 +88,9 @@ EVENT_KINDS = (
     "giveup",
     "job_end",
     "commit_votes",
+    "memory_restore",
+    "transfer_rejected",
+    "rank_end",
 )
 
 RECOVERY_PHASES = ("recovery_start", "generation_left", "generation_joined", "resume_chosen")
