@@ -217,12 +217,7 @@ class NodeAgent:
                 self._start_ranks(gen)
                 continue
             beats = self.store.rank_heartbeats(self.local_ranks)
-            stale = [
-                rank
-                for rank, beat in beats.items()
-                if codes[rank] is None
-                and now - beat.time > (self.cfg.startup_timeout if beat.step < 0 else self.cfg.hang_timeout)
-            ]
+            stale = self._stale(codes, beats, now)
             stuck = [r for r in stale if beats[r].step >= self.job.trainer.max_steps]
             for rank in stuck:  # trained to the end but did not exit: done, not hung
                 print(
@@ -235,7 +230,6 @@ class NodeAgent:
             if stale:
                 hung = self._report_hang(gen, stale, beats)
                 self.ranks[hung].proc.wait()  # SIGKILLed: replaced on the next pass
-                self._restart_hang_clocks(gen, exclude=hung)
                 continue
             if self._lost_node(gen, now):
                 next_gen = self._next_generation(gen)
@@ -263,7 +257,7 @@ class NodeAgent:
             for rank, proc in self.ranks.items()
             if (code := proc.poll()) not in (None, 0) and rank not in self._finished
         }
-        self._restart_hang_clocks(gen, exclude=None)
+        self._restart_hang_clocks()
         current = max(gen, self.store.generation())
         member = {rank: self.store.member(rank) for rank in failed}
         if any(member[rank] >= current for rank in failed):
@@ -297,7 +291,7 @@ class NodeAgent:
             )
         return current
 
-    def _restart_hang_clocks(self, gen: int, *, exclude: int | None) -> None:
+    def _restart_hang_clocks(self) -> None:
         """A recovery begins: give every live local rank a full ``hang_timeout`` from now.
 
         Survivors blocked on a failed peer stop beating until they notice it
@@ -307,14 +301,28 @@ class NodeAgent:
         beats = self.store.rank_heartbeats(self.local_ranks)
         now = time.time()
         for rank, proc in self.ranks.items():
-            if rank != exclude and proc.poll() is None:
+            if proc.poll() is None:
                 self.store.set_rank_heartbeat(rank, Heartbeat(beats[rank].gen, beats[rank].step, now))
+
+    def _recent_restarts(self, up_to_gen: int) -> list[float]:
+        """Start times of generations 1..``up_to_gen`` within ``agent.restart_window_s``."""
+        assert self.store is not None
+        window_start = time.time() - self.cfg.restart_window_s
+        return [t for t in self.store.restart_times(up_to_gen) if t >= window_start]
+
+    def _stale(self, codes: dict[int, int | None], beats: dict[int, Heartbeat], now: float) -> list[int]:
+        """Live ranks whose heartbeat is older than the startup (before step 1) or hang timeout."""
+        return [
+            rank
+            for rank, beat in beats.items()
+            if codes[rank] is None
+            and now - beat.time > (self.cfg.startup_timeout if beat.step < 0 else self.cfg.hang_timeout)
+        ]
 
     def _budget_spent(self, current: int) -> bool:
         """The job moved to ``current`` (by a rank or another agent): give up if that spent the budget."""
         assert self.store is not None
-        window_start = time.time() - self.cfg.restart_window_s
-        recent = [t for t in self.store.restart_times(current) if t >= window_start]
+        recent = self._recent_restarts(current)
         if len(recent) <= self.cfg.max_restarts:
             return False
         self.store.give_up(
@@ -412,12 +420,7 @@ class NodeAgent:
                 return _Outcome("done")
 
             beats = self.store.rank_heartbeats(self.local_ranks)
-            stale = [
-                rank
-                for rank, beat in beats.items()
-                if codes[rank] is None
-                and now - beat.time > (self.cfg.startup_timeout if beat.step < 0 else self.cfg.hang_timeout)
-            ]
+            stale = self._stale(codes, beats, now)
             if stale:
                 self._report_hang(gen, stale, beats)
                 return _Outcome("fault")
@@ -546,8 +549,7 @@ class NodeAgent:
     def _next_generation(self, gen: int) -> int | None:
         """Advance the job past ``gen`` (once, whoever asks first), or give up if the budget is spent."""
         assert self.store is not None
-        window_start = time.time() - self.cfg.restart_window_s
-        recent = [t for t in self.store.restart_times(gen) if t >= window_start]
+        recent = self._recent_restarts(gen)
         if len(recent) >= self.cfg.max_restarts:
             reason = (
                 f"fault budget spent: {len(recent) + 1} faults within {self.cfg.restart_window_s:g} s "
