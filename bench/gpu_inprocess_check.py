@@ -5,7 +5,7 @@
 Runs ``tests/user_trainer_script.py`` (a hand-written Trainer and module under
 ``InProcessRecovery``) on ``--world`` GPUs, once without a fault and once with
 an exception on rank 0 in step 7: the raising rank aborts its NCCL communicator
-(``comm.sever.fail_fast``), every rank re-forms NCCL groups in-process and
+(``recovery.sever.fail_fast``), every rank re-forms NCCL groups in-process and
 reloads the step-5 checkpoint. Prints whether the final weights, AdamW state
 and losses are bitwise equal, and checks tier 4's checksum and bucket packing
 on CUDA tensors.

@@ -54,9 +54,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckless_lightning.events import EventLog, read_events
-from ckless_lightning.loss_log import read_loss_records
-from ckless_lightning.summary import FaultRecovery, JobSummary, summarize
+from ckless_lightning.record.events import EventLog, read_events
+from ckless_lightning.record.loss_log import read_loss_records
+from ckless_lightning.record.summary import FaultRecovery, JobSummary, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -334,11 +334,11 @@ def figure_overhead(t0: Run, t4: Run) -> list[str]:
 
 
 def plan_of(run: Run) -> Any:
-    """``ckless_lightning.plan.plan_job`` of the run's resolved config (per-rank shard sizes)."""
+    """``memory_plan.plan_job`` of the run's resolved config (per-rank shard sizes)."""
     from omegaconf import OmegaConf
 
-    from ckless_lightning.config import job_config_from_dict
-    from ckless_lightning.plan import plan_job
+    from ckless_lightning.runtime.config import job_config_from_dict
+    from ckless_lightning.runtime.memory_plan import plan_job
 
     container = OmegaConf.to_container(OmegaConf.load(run.run_dir / "config.yaml"), resolve=True)
     assert isinstance(container, dict)

@@ -16,10 +16,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["EXIT_CONFIG", "EXIT_DOES_NOT_FIT", "run_job"]
+from ckless_lightning.runtime.contract import ExitCode
 
-EXIT_CONFIG = 2
-EXIT_DOES_NOT_FIT = 3
+__all__ = ["run_job"]
 
 
 def _error(kind: str, err: BaseException) -> None:
@@ -27,14 +26,14 @@ def _error(kind: str, err: BaseException) -> None:
 
 
 def run_job(cfg: DictConfig) -> int:
-    from ckless_lightning.config import job_config_from_dict
+    from ckless_lightning.runtime.config import job_config_from_dict
 
     try:
         container: Any = OmegaConf.to_container(cfg, resolve=True)
         job = job_config_from_dict(container)
     except ValueError as err:
         _error("config error", err)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
 
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -43,7 +42,7 @@ def run_job(cfg: DictConfig) -> int:
     config_path = run_dir / ("config.yaml" if node == 0 else f"config.node{node}.yaml")
     OmegaConf.save(OmegaConf.create(container), config_path)
 
-    from ckless_lightning.plan import available_bytes_per_rank, check_fits, plan_job
+    from ckless_lightning.runtime.memory_plan import available_bytes_per_rank, check_fits, plan_job
 
     plan = plan_job(job)
     if job.dry_run:
@@ -61,11 +60,11 @@ def run_job(cfg: DictConfig) -> int:
         check_fits(plan, available, source)
     except MemoryError as err:
         _error("refused", err)
-        return EXIT_DOES_NOT_FIT
+        return ExitCode.DOES_NOT_FIT
 
-    from ckless_lightning.checkpointing import checkpoint_step, resolve_resume
     from ckless_lightning.data import prepare_dataset
-    from ckless_lightning.plan import resolve_accelerator
+    from ckless_lightning.runtime.checkpointing import checkpoint_step, resolve_resume
+    from ckless_lightning.runtime.memory_plan import resolve_accelerator
 
     try:
         resolve_accelerator(job.cluster.accelerator)
@@ -80,7 +79,7 @@ def run_job(cfg: DictConfig) -> int:
         resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
     except (ValueError, FileNotFoundError) as err:
         _error("config error", err)
-        return EXIT_CONFIG
+        return ExitCode.CONFIG
 
     print(plan.format())
     print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
@@ -104,9 +103,9 @@ def _run_agent(job: Any, config_path: Path, prepared_path: Path, start_step: int
 
 
 def _report(job: Any, run_dir: Path, code: int) -> None:
-    from ckless_lightning.events import read_events
-    from ckless_lightning.loss_log import read_loss_records, read_losses
-    from ckless_lightning.summary import summarize
+    from ckless_lightning.record.events import read_events
+    from ckless_lightning.record.loss_log import read_loss_records, read_losses
+    from ckless_lightning.record.summary import summarize
 
     losses = read_losses(run_dir / "losses.jsonl")
     events_path = run_dir / "events.jsonl"

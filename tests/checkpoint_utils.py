@@ -51,8 +51,8 @@ def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> int:
 
 def assert_same_run(run: Path, reference: Path, scratch: Path, steps: int) -> None:
     """``run`` ended bitwise equal to ``reference``: every step's loss, final weights and optimizer state."""
-    from ckless_lightning.checkpointing import checkpoint_name
-    from ckless_lightning.loss_log import read_losses
+    from ckless_lightning.record.loss_log import read_losses
+    from ckless_lightning.runtime.checkpointing import checkpoint_name
 
     losses, expected = read_losses(run / "losses.jsonl"), read_losses(reference / "losses.jsonl")
     assert sorted(expected) == list(range(1, steps + 1))

@@ -19,7 +19,7 @@ import pytest
 from checkpoint_utils import assert_same_run
 from conftest import launch_command, launch_job
 
-from ckless_lightning.events import read_events
+from ckless_lightning.record.events import read_events
 
 STEPS = 12
 COMMON = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=5", "agent.hang_timeout=8")
@@ -100,7 +100,7 @@ def test_hang_detected_within_timeout(tmp_path, data_cache):
     launch_job(run, data_cache, *COMMON, "fault=hang", "fault.rank=2", "fault.step=8", "agent.hang_timeout=4")
     (detection,) = [e for e in events_of(run, "fault_detected") if e["reason"] == "hang"]
     (injection,) = events_of(run, "fault_injected")
-    assert detection["rank"] == 2 and detection["last_step"] == 7
+    assert detection["rank"] == 2 and detection["completed_step"] == 7
     # The first rank to go silent for hang_timeout triggers detection; that may be a peer blocked
     # on the hung rank that beat a few ms before it, so the hung rank's own silence is about 4 s.
     silent = detection["t"] - detection["last_beat"]

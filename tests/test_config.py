@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import FULL_RECIPES
 
-from ckless_lightning.config import job_config_from_dict
-from ckless_lightning.plan import check_fits, plan_job
+from ckless_lightning.runtime.config import job_config_from_dict
+from ckless_lightning.runtime.memory_plan import check_fits, plan_job
 
 EXPECTED_BILLIONS = {
     "llama3_8b": 8.03,

@@ -23,8 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from ckless_lightning.callbacks.fault_injection import FaultInjectionCallback, InjectedFault
-from ckless_lightning.faults import (
+from ckless_lightning.runtime.faults import (
     PHASES,
     STEP_PHASES,
     FaultConfig,
@@ -33,6 +32,7 @@ from ckless_lightning.faults import (
     marker_path,
     plan_faults,
 )
+from ckless_lightning.training.callbacks.fault_injection import FaultInjectionCallback, InjectedFault
 
 SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
 
@@ -348,8 +348,8 @@ SCRIPT = textwrap.dedent(
 
     sys.path.insert(0, {tests!r})
     from test_faults import TinyModule
-    from ckless_lightning.callbacks.fault_injection import FaultInjectionCallback
-    from ckless_lightning.faults import FaultSpec
+    from ckless_lightning.training.callbacks.fault_injection import FaultInjectionCallback
+    from ckless_lightning.runtime.faults import FaultSpec
 
     fault_type, phase, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     spec = FaultSpec(index=0, fault_type=fault_type, rank=0, step=3, phase=phase, injected_by="inside")

@@ -15,11 +15,11 @@ from ckless_lightning.replication import (
     Transfer,
     TransferError,
     buddy_rank,
+    buddy_sources,
     buddy_survives_node_loss,
     checksum,
     default_buddy_offset,
-    plan_buddy,
-    plan_hsdp,
+    hsdp_sources,
     transfer_bytes,
     transfer_tensors,
 )
@@ -33,12 +33,12 @@ def _hsdp_reports(world: int, step: int, lost: set[int], steps: dict[int, int] |
 
 
 def test_hsdp_nothing_lost():
-    plan = plan_hsdp(_hsdp_reports(4, 7, set()), replicate=2, shard=2)
+    plan = hsdp_sources(_hsdp_reports(4, 7, set()), replicate=2, shard=2)
     assert (plan.step, plan.transfers, plan.rollback, plan.lost) == (7, (), frozenset(), ())
 
 
 def test_hsdp_one_lost_restores_from_peer():
-    plan = plan_hsdp(_hsdp_reports(4, 7, {1}), replicate=2, shard=2)
+    plan = hsdp_sources(_hsdp_reports(4, 7, {1}), replicate=2, shard=2)
     assert plan.step == 7
     assert plan.transfers == (Transfer(3, 1),)
     assert plan.lost == (1,) and plan.rollback == frozenset()
@@ -46,14 +46,14 @@ def test_hsdp_one_lost_restores_from_peer():
 
 
 def test_hsdp_two_lost_in_different_replicas_and_shards():
-    plan = plan_hsdp(_hsdp_reports(4, 7, {0, 3}), replicate=2, shard=2)
+    plan = hsdp_sources(_hsdp_reports(4, 7, {0, 3}), replicate=2, shard=2)
     assert plan.step == 7
     assert set(plan.transfers) == {Transfer(2, 0), Transfer(1, 3)}
     assert plan.lost == (0, 3)
 
 
 def test_hsdp_replica_pair_both_lost_falls_back():
-    plan = plan_hsdp(_hsdp_reports(4, 7, {1, 3}), replicate=2, shard=2)
+    plan = hsdp_sources(_hsdp_reports(4, 7, {1, 3}), replicate=2, shard=2)
     assert plan.step is None and plan.fallback
     assert plan.transfers == () and plan.rollback == frozenset()
     assert plan.lost == (1, 3)
@@ -62,29 +62,29 @@ def test_hsdp_replica_pair_both_lost_falls_back():
 
 
 def test_hsdp_survivors_disagree_falls_back():
-    plan = plan_hsdp(_hsdp_reports(4, 7, {1}, steps={2: 6}), replicate=2, shard=2)
+    plan = hsdp_sources(_hsdp_reports(4, 7, {1}, steps={2: 6}), replicate=2, shard=2)
     assert plan.step is None
     assert "disagree" in plan.reason
 
 
 def test_hsdp_no_survivor_falls_back():
-    plan = plan_hsdp(_hsdp_reports(4, 7, {0, 1, 2, 3}), replicate=2, shard=2)
+    plan = hsdp_sources(_hsdp_reports(4, 7, {0, 1, 2, 3}), replicate=2, shard=2)
     assert plan.step is None and plan.lost == (0, 1, 2, 3)
 
 
 def test_hsdp_missing_report_counts_as_lost():
     reports = _hsdp_reports(4, 7, set())
     del reports[2]
-    plan = plan_hsdp(reports, replicate=2, shard=2)
+    plan = hsdp_sources(reports, replicate=2, shard=2)
     assert plan.transfers == (Transfer(0, 2),)
 
 
 def test_hsdp_exclude_picks_next_source_then_falls_back():
     reports = _hsdp_reports(6, 7, {2})  # replicate=3, shard=2: shard 0 is ranks 0, 2, 4
-    assert plan_hsdp(reports, replicate=3, shard=2).transfers == (Transfer(0, 2),)
-    plan = plan_hsdp(reports, replicate=3, shard=2, exclude=frozenset({Transfer(0, 2)}))
+    assert hsdp_sources(reports, replicate=3, shard=2).transfers == (Transfer(0, 2),)
+    plan = hsdp_sources(reports, replicate=3, shard=2, exclude=frozenset({Transfer(0, 2)}))
     assert plan.step == 7 and plan.transfers == (Transfer(4, 2),)
-    plan = plan_hsdp(reports, replicate=3, shard=2, exclude=frozenset({Transfer(0, 2), Transfer(4, 2)}))
+    plan = hsdp_sources(reports, replicate=3, shard=2, exclude=frozenset({Transfer(0, 2), Transfer(4, 2)}))
     assert plan.step is None
     assert "shard 0" in plan.reason and "checksum" in plan.reason
 
@@ -98,14 +98,14 @@ def _buddy(world: int = 4, offset: int = 1):
 
 def test_buddy_nothing_lost():
     reports = {r: RankReport(r, 7, frozenset({6, 7})) for r in range(4)}
-    plan = plan_buddy(reports, buddy_of=_buddy())
+    plan = buddy_sources(reports, buddy_of=_buddy())
     assert (plan.step, plan.transfers, plan.rollback, plan.lost) == (7, (), frozenset(), ())
 
 
 def test_buddy_lost_rank_restored_at_live_step():
     reports = {r: RankReport(r, 7, frozenset({6, 7}), {(r - 1) % 4: frozenset({6, 7})}) for r in range(4)}
     reports[1] = RankReport(1, None)
-    plan = plan_buddy(reports, buddy_of=_buddy())
+    plan = buddy_sources(reports, buddy_of=_buddy())
     assert plan.step == 7
     assert plan.transfers == (Transfer(2, 1),)
     assert plan.rollback == frozenset() and plan.lost == (1,)
@@ -115,21 +115,21 @@ def test_buddy_only_older_copy_rolls_survivors_back():
     reports = {r: RankReport(r, 7, frozenset({6, 7}), {(r - 1) % 4: frozenset({6, 7})}) for r in range(4)}
     reports[1] = RankReport(1, None)
     reports[2] = RankReport(2, 7, frozenset({6, 7}), {1: frozenset({6})})  # its copy of 7 was incomplete
-    plan = plan_buddy(reports, buddy_of=_buddy())
+    plan = buddy_sources(reports, buddy_of=_buddy())
     assert plan.step == 6
     assert plan.transfers == (Transfer(2, 1),)
     assert plan.rollback == frozenset({0, 2, 3})
     assert "roll back" in plan.reason
     # One survivor without its own snapshot of 6: no step is feasible.
     reports[3] = RankReport(3, 7, frozenset({7}), {2: frozenset({6, 7})})
-    plan = plan_buddy(reports, buddy_of=_buddy())
+    plan = buddy_sources(reports, buddy_of=_buddy())
     assert plan.step is None and plan.rollback == frozenset() and plan.transfers == ()
 
 
 def test_buddy_survivors_disagree_converge_on_a_snapshot():
     reports = {r: RankReport(r, 7, frozenset({7})) for r in range(4)}
     reports[0] = RankReport(0, 8, frozenset({7}))
-    plan = plan_buddy(reports, buddy_of=_buddy())
+    plan = buddy_sources(reports, buddy_of=_buddy())
     assert plan.step == 7 and plan.rollback == frozenset({0}) and plan.transfers == ()
 
 
@@ -137,7 +137,7 @@ def test_buddy_rank_and_buddy_both_lost_falls_back():
     reports = {r: RankReport(r, 7, frozenset({7}), {(r - 1) % 4: frozenset({7})}) for r in range(4)}
     reports[1] = RankReport(1, None)
     reports[2] = RankReport(2, None)
-    plan = plan_buddy(reports, buddy_of=_buddy())
+    plan = buddy_sources(reports, buddy_of=_buddy())
     assert plan.step is None and plan.lost == (1, 2)
     assert "rank 1 and its buddy rank 2 both lost" in plan.reason
 
@@ -145,7 +145,7 @@ def test_buddy_rank_and_buddy_both_lost_falls_back():
 def test_buddy_exclude_falls_back():
     reports = {r: RankReport(r, 7, frozenset({7}), {(r - 1) % 4: frozenset({7})}) for r in range(4)}
     reports[1] = RankReport(1, None)
-    plan = plan_buddy(reports, buddy_of=_buddy(), exclude=frozenset({Transfer(2, 1)}))
+    plan = buddy_sources(reports, buddy_of=_buddy(), exclude=frozenset({Transfer(2, 1)}))
     assert plan.step is None and "checksum" in plan.reason
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from ckless_lightning.events import RANK_PHASES, EventLog, read_events, read_jsonl
-from ckless_lightning.summary import summarize, summarize_run
+from ckless_lightning.record.events import RANK_PHASES, EventLog, read_events, read_jsonl
+from ckless_lightning.record.summary import summarize, summarize_run
 
 PHASE_ORDER = RANK_PHASES
 
@@ -77,7 +77,7 @@ def tier0_events() -> list[dict]:
     events += [
         ev(1012.75, "fault_injected", "launcher", rank=1, step=6, phase="backward", fault_type="sigkill",
            injected_by="outside"),
-        ev(1013.0, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, last_step=5),
+        ev(1013.0, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, completed_step=5),
         ev(1014.0, "ranks_stopped", gen=0, node=0, ranks=[0, 1, 2, 3]),
         ev(1014.25, "generation", gen=1, reason="rank 1 exit -9"),
         ev(1014.5, "ranks_started", gen=1, node=0, ranks=[0, 1, 2, 3], pids=[5, 6, 7, 8], warm=[False] * 4),
@@ -152,8 +152,17 @@ def test_hang_detected_without_injection():
     events = gen0()
     events += [
         # A hang on rank 2, noticed by the heartbeat watchdog; node 1's agent also reports it (same fault).
-        ev(1050.0, "fault_detected", by="agent0", rank=2, reason="hang", exit_code=None, last_step=7),
-        ev(1050.5, "fault_detected", "agent1", by="agent1", rank=2, reason="exit", exit_code=-9, last_step=7),
+        ev(1050.0, "fault_detected", by="agent0", rank=2, reason="hang", exit_code=None, completed_step=7),
+        ev(
+            1050.5,
+            "fault_detected",
+            "agent1",
+            by="agent1",
+            rank=2,
+            reason="exit",
+            exit_code=-9,
+            completed_step=7,
+        ),
         ev(1052.0, "ranks_stopped", gen=0, node=0, ranks=[0, 1, 2, 3]),
         ev(1052.0, "generation", gen=1, reason="rank 2 hang"),
     ]
@@ -180,7 +189,7 @@ def test_gave_up():
     events += [
         ev(1012.0, "fault_injected", "rank3", rank=3, step=3, phase="forward", fault_type="exception",
            injected_by="inside"),
-        ev(1012.5, "fault_detected", by="agent0", rank=3, reason="exit", exit_code=1, last_step=2),
+        ev(1012.5, "fault_detected", by="agent0", rank=3, reason="exit", exit_code=1, completed_step=2),
         ev(1013.0, "ranks_stopped", gen=0, node=0, ranks=[0, 1, 2, 3]),
         ev(1013.0, "giveup", reason="fault budget spent (0 restarts)", exit_code=1),
         ev(1013.5, "job_end", exit_code=1, final_step=2),
@@ -209,7 +218,7 @@ def test_two_faults_warm_spare_then_in_process():
     events += [
         ev(1011.5, "fault_injected", "launcher", rank=1, step=3, phase="optimizer_step", fault_type="sigkill",
            injected_by="outside"),
-        ev(1011.75, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, last_step=2),
+        ev(1011.75, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, completed_step=2),
         ev(1012.0, "ranks_stopped", gen=0, node=0, ranks=[1]),
         ev(1012.0, "generation", gen=1, reason="rank 1 exit -9"),
         ev(1012.25, "ranks_started", gen=1, node=0, ranks=[1], pids=[9], warm=[True]),
@@ -225,7 +234,7 @@ def test_two_faults_warm_spare_then_in_process():
         ev(1015.25, "fault_injected", "rank2", rank=2, step=7, phase="forward", fault_type="exception",
            injected_by="inside"),
         ev(1015.25, "fault_detected", "rank0", by="rank0", rank=2, reason="exit", exit_code=None,
-           last_step=6),
+           completed_step=6),
         ev(1015.5, "generation", gen=2, reason="rank 2 exception"),
     ]  # fmt: skip
     for r in range(4):
@@ -282,10 +291,10 @@ def test_fault_during_recovery_is_superseded():
     events += [
         ev(1011.0, "fault_injected", "launcher", rank=1, step=2, phase="forward", fault_type="sigkill",
            injected_by="outside"),
-        ev(1011.5, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, last_step=1),
+        ev(1011.5, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, completed_step=1),
         ev(1011.5, "generation", gen=1, reason="rank 1 exit"),
         ev(1012.0, "rank_phase", "rank1", rank=1, gen=1, phase="process_start", step=None),
-        ev(1013.0, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=1, last_step=-1),
+        ev(1013.0, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=1, completed_step=-1),
         ev(1013.5, "generation", gen=2, reason="rank 1 exit"),
         ev(1014.0, "rank_phase", "rank1", rank=1, gen=2, phase="first_step_done", step=2),
         ev(1015.0, "job_end", exit_code=0, final_step=2),

@@ -17,9 +17,9 @@ import pytest
 from checkpoint_utils import assert_same_run
 from conftest import launch_command, launch_job
 
-from ckless_lightning.callbacks.sample_log import read_sample_log
-from ckless_lightning.events import read_events
-from ckless_lightning.loss_log import read_losses
+from ckless_lightning.record.events import read_events
+from ckless_lightning.record.loss_log import read_losses
+from ckless_lightning.training.callbacks.sample_log import read_sample_log
 
 STEPS = 12
 COMMON = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=5", "data.record_samples=true")

@@ -20,7 +20,7 @@ from checkpoint_utils import assert_same_run
 from conftest import launch_job
 from test_agent import events_of, free_port, job_processes
 
-from ckless_lightning.summary import summarize_run
+from ckless_lightning.record.summary import summarize_run
 
 STEPS = 12
 COMMON = (

@@ -17,7 +17,7 @@ from conftest import launch_job
 from test_agent import events_of, job_processes
 from test_tier3 import pids_by_rank, plan_override
 
-from ckless_lightning.summary import summarize_run
+from ckless_lightning.record.summary import summarize_run
 
 STEPS = 12
 COMMON = (f"trainer.max_steps={STEPS}", "tier=4", "agent.hang_timeout=6", "agent.max_restarts=10")

@@ -8,8 +8,8 @@ import pytest
 from checkpoint_utils import assert_bitwise_equal, load_full_checkpoint
 from conftest import launch_job
 
-from ckless_lightning.checkpointing import checkpoint_name, latest_checkpoint
-from ckless_lightning.loss_log import read_losses
+from ckless_lightning.record.loss_log import read_losses
+from ckless_lightning.runtime.checkpointing import checkpoint_name, latest_checkpoint
 
 
 def train(run_dir: Path, data_cache: Path, *overrides: str):

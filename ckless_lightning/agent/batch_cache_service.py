@@ -20,10 +20,11 @@ import sys
 import uuid
 from pathlib import Path
 
-from ckless_lightning.agent.processes import base_env, signal_session
-from ckless_lightning.config import JobConfig
+from ckless_lightning.agent.processes import signal_session
 from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir
-from ckless_lightning.events import EventLog
+from ckless_lightning.record.events import EventLog
+from ckless_lightning.runtime.config import JobConfig
+from ckless_lightning.runtime.contract import launcher_env
 
 __all__ = ["BatchCacheService"]
 
@@ -114,7 +115,7 @@ class BatchCacheService:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log:
             self.reader = subprocess.Popen(
-                command, env=base_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.events.emit(
             "reader_started", node=self.job.cluster.node_rank, pid=self.reader.pid, root=str(self.root)

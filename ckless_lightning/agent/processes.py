@@ -2,7 +2,7 @@
 
 Every process runs in its own session, so a stop reaches whatever it started,
 and carries ``CKLESS_LAUNCHER_PID`` so that it dies with the agent
-(PR_SET_PDEATHSIG, see ``ckless_lightning.rank``). Rank 0's output goes to this
+(PR_SET_PDEATHSIG, see ``ckless_lightning.runtime.contract``). Rank 0's output goes to this
 console and to ``rank_logs/rank0.log``; the others' to ``rank_logs/rank<N>.log``.
 """
 
@@ -15,44 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-__all__ = ["RankProcess", "RankSpec", "SparePool", "base_env", "signal_session"]
+from ckless_lightning.runtime.contract import RankSpec, launcher_env
 
-
-@dataclass(frozen=True)
-class RankSpec:
-    """What a rank process is told: its place in the job and where the job's stores are."""
-
-    global_rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str
-    master_port: int  # tier 0: rank 0's rendezvous port; tier 1: unused by the process group
-    generation: int
-    store_addr: str
-    store_port: int
-    batch_cache: str | None = None  # tier 2: the node's batch cache directory
-
-    def env(self) -> dict[str, str]:
-        # The variables torchrun sets (Lightning's TorchElasticEnvironment reads them), plus ours.
-        return {
-            "RANK": str(self.global_rank),
-            "LOCAL_RANK": str(self.local_rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "GROUP_RANK": str(self.node_rank),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-            "CKLESS_GENERATION": str(self.generation),
-            "CKLESS_STORE_ADDR": self.store_addr,
-            "CKLESS_STORE_PORT": str(self.store_port),
-            **({"CKLESS_BATCH_CACHE": self.batch_cache} if self.batch_cache else {}),
-        }
+__all__ = ["RankProcess", "SparePool", "signal_session"]
 
 
 def signal_session(pid: int, sig: signal.Signals) -> None:
@@ -61,10 +29,6 @@ def signal_session(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         return
-
-
-def base_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "CKLESS_LAUNCHER_PID": str(os.getpid())}
 
 
 class RankProcess:
@@ -85,7 +49,7 @@ class RankProcess:
 
     @classmethod
     def spawn(cls, spec: RankSpec, command: list[str], log_dir: Path) -> RankProcess:
-        env = {**base_env(), **spec.env(), "CKLESS_SPAWN_TIME": f"{time.time():.6f}"}
+        env = {**launcher_env(), **spec.env(time.time())}
         proc = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -96,7 +60,7 @@ class RankProcess:
         cls, spec: RankSpec, spare: subprocess.Popen[bytes], argv: list[str], log_dir: Path
     ) -> RankProcess:
         assert spare.stdin is not None
-        assignment = {"env": {**spec.env(), "CKLESS_SPAWN_TIME": f"{time.time():.6f}"}, "argv": argv}
+        assignment = {"env": spec.env(time.time()), "argv": argv}
         spare.stdin.write((json.dumps(assignment) + "\n").encode())
         spare.stdin.close()
         return cls(spec, spare, log_dir, warm=True)
@@ -157,7 +121,7 @@ class SparePool:
             self._spares.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "ckless_lightning.spare"],
-                    env=base_env(),
+                    env=launcher_env(),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

@@ -1,31 +1,41 @@
-"""The job store: a c10d TCPStore hosted by node 0's agent, and the keys the job agrees through.
+"""The job store: a c10d TCPStore hosted by node 0's agent, and the only code that knows its key names.
 
 Reused, not rewritten: ``torch.distributed.TCPStore`` is the same store
 torchrun's rendezvous and ``init_process_group`` use. It lives in an agent, not
-in a rank, so any rank can die without taking the store with it. Keys:
+in a rank, so any rank can die without taking the store with it. Everyone else
+goes through :class:`JobStore`'s methods; nothing outside this module spells a key.
 
-- ``gen``: the current generation (an int, only ever raised with compare_set);
-- ``restart/<g>``: when generation ``g`` began (the restart budget reads them);
-- ``giveup``: set once, the reason the job stops for good;
-- ``hb/<rank>``: ``"<gen> <step> <unix time>"``, written by the rank every step;
-- ``agent/<node>``: ``"<gen> <unix time>"``, each agent's own heartbeat;
-- ``master_port/<g>``: tier 0's rendezvous port of generation ``g`` (rank 0 hosts it);
-- ``done/<g>/<node>``: a node's ranks all finished in generation ``g``;
-- ``member/<rank>``: the generation the rank's current process belongs to (tiers 3-4);
-- ``gen<g>/joined``, ``gen<g>/vote/<step>``, ``gen<g>/decision/<step>``: tiers 3-4's join
-  barrier and step-commit vote (``ckless_lightning.recovery``, ``ckless_lightning.comm.commit``);
-- ``gen<g>/pg/...``: tier 1's process groups of generation ``g`` (PrefixStore).
+=================================  ==========================================================  ============
+key                                value                                                       written by
+=================================  ==========================================================  ============
+``gen``                            the current generation (an int, only raised, compare_set)   agent, rank
+``restart/<g>``                    unix time generation ``g`` began (the restart budget)       advancer
+``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
+``giveup``                         set once: the reason the job stops for good                 agent
+``hb/<rank>``                      ``"<gen> <completed step> <unix time>"``, each step         rank, agent
+``agent/<node>``                   ``"<gen> <unix time>"``, each agent's own heartbeat         agent
+``started/<g>/<node>``             the node's ranks were started in generation ``g``           agent
+``master_port/<g>``                tier 0: rank 0's rendezvous port of generation ``g``        agent 0
+``done/<g>/<node>``                a node's ranks all finished in generation ``g``             agent
+``member/<rank>``                  the generation the rank's current process belongs to        agent, rank
+``gen<g>/joined``                  tiers 3-4: counter of ranks that joined ``g`` (barrier)     rank
+``gen<g>/vote/<step>``             tiers 3-4: counter of votes for the step in progress        rank
+``gen<g>/decision/<step>``         ``commit`` or ``abandon``, compare_set once                 rank
+``state/recorded``                 tier 4: some rank recorded a committed step in memory       rank
+``gen<g>/pg/...``                  tier 1+: generation ``g``'s process groups (PrefixStore)    torch
+=================================  ==========================================================  ============
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
-__all__ = ["Heartbeat", "JobStore", "connect_store"]
+__all__ = ["GenerationChanged", "Heartbeat", "JobStore", "connect_store"]
 
 
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float = 300.0) -> TCPStore:
@@ -40,99 +50,160 @@ def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float = 3
     )
 
 
+class GenerationChanged(RuntimeError):
+    """The job moved past this rank's generation (a fault elsewhere): leave ``fit`` and rejoin."""
+
+    def __init__(self, generation: int, current: int, where: str) -> None:
+        self.generation = generation
+        self.current = current
+        super().__init__(f"generation {generation} ended (now {current}) while {where}")
+
+
 @dataclass(frozen=True)
 class Heartbeat:
+    """A rank's beat: its generation, its completed step (-1 while starting up), and when."""
+
     gen: int
-    step: int  # last optimizer step completed; -1 before the first
+    completed_step: int
     time: float
 
     @classmethod
     def parse(cls, raw: bytes) -> Heartbeat:
-        gen, step, t = raw.decode().split()
-        return cls(int(gen), int(step), float(t))
+        gen, completed, t = raw.decode().split()
+        return cls(int(gen), int(completed), float(t))
 
     def encode(self) -> str:
-        return f"{self.gen} {self.step} {self.time:.6f}"
+        return f"{self.gen} {self.completed_step} {self.time:.6f}"
 
 
 class JobStore:
     """Typed access to the job store's keys (see the module docstring)."""
 
     def __init__(self, store: TCPStore) -> None:
-        self.store = store
+        self._tcp = store  # the raw c10d store: only this class spells its keys
+
+    @classmethod
+    def connect(cls, host: str, port: int) -> JobStore:
+        """Join the job store an agent hosts (ranks and non-hosting agents)."""
+        return cls(connect_store(host, port, is_master=False))
 
     @property
     def port(self) -> int:
-        return self.store.port
+        return self._tcp.port
 
     # -- generations -------------------------------------------------------
     def generation(self) -> int:
-        return self.store.add("gen", 0)
+        return self._tcp.add("gen", 0)
 
-    def advance_generation(self, seen: int) -> int:
-        """Move from generation ``seen`` to ``seen + 1`` unless another agent already moved on.
+    def advance_generation(self, seen: int, *, announce: Callable[[int], None] | None = None) -> int:
+        """Move from generation ``seen`` to ``seen + 1`` unless someone already moved on.
 
-        Returns the generation now current. Several agents noticing the same
-        fault therefore make one new generation, not several.
+        Returns the generation now current. Several agents and ranks noticing the
+        same fault therefore make one new generation, not several; ``announce``
+        is called with the new generation by the first caller only, job-wide.
         """
-        current = int(self.store.compare_set("gen", str(seen), str(seen + 1)))
+        current = int(self._tcp.compare_set("gen", str(seen), str(seen + 1)))
         if current == seen + 1:
-            self.store.set(f"restart/{seen + 1}", f"{time.time():.6f}")
+            self._tcp.set(f"restart/{seen + 1}", f"{time.time():.6f}")
+            if self._tcp.add(f"announced/{current}", 1) == 1 and announce is not None:
+                announce(current)
         return current
+
+    def process_group_store(self, gen: int) -> PrefixStore:
+        """Generation ``gen``'s own namespace for ``init_process_group`` (tier 1+)."""
+        return PrefixStore(f"gen{gen}/pg/", self._tcp)
 
     def restart_times(self, up_to_gen: int) -> list[float]:
         keys = [f"restart/{g}" for g in range(1, up_to_gen + 1)]
-        present = [k for k in keys if self.store.check([k])]
-        return [float(v) for v in self.store.multi_get(present)] if present else []
+        present = [k for k in keys if self._tcp.check([k])]
+        return [float(v) for v in self._tcp.multi_get(present)] if present else []
 
     # -- giving up ---------------------------------------------------------
     def give_up(self, reason: str) -> None:
-        if not self.store.check(["giveup"]):
-            self.store.set("giveup", reason)
+        if not self._tcp.check(["giveup"]):
+            self._tcp.set("giveup", reason)
 
     def giveup_reason(self) -> str | None:
-        return self.store.get("giveup").decode() if self.store.check(["giveup"]) else None
+        return self._tcp.get("giveup").decode() if self._tcp.check(["giveup"]) else None
 
     # -- heartbeats --------------------------------------------------------
     def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
-        self.store.set(f"hb/{rank}", beat.encode())
+        self._tcp.set(f"hb/{rank}", beat.encode())
 
     def rank_heartbeats(self, ranks: list[int]) -> dict[int, Heartbeat]:
         """Heartbeats of ``ranks`` (the agent writes an initial one when it starts a rank)."""
         keys = [f"hb/{r}" for r in ranks]
-        return {r: Heartbeat.parse(raw) for r, raw in zip(ranks, self.store.multi_get(keys), strict=True)}
+        return {r: Heartbeat.parse(raw) for r, raw in zip(ranks, self._tcp.multi_get(keys), strict=True)}
 
     def set_agent_heartbeat(self, node: int, gen: int) -> None:
-        self.store.set(f"agent/{node}", f"{gen} {time.time():.6f}")
+        self._tcp.set(f"agent/{node}", f"{gen} {time.time():.6f}")
 
     def agent_heartbeat(self, node: int) -> tuple[int, float] | None:
         key = f"agent/{node}"
-        if not self.store.check([key]):
+        if not self._tcp.check([key]):
             return None
-        gen, t = self.store.get(key).decode().split()
+        gen, t = self._tcp.get(key).decode().split()
         return int(gen), float(t)
 
     # -- per-generation rendezvous and completion --------------------------
     def publish_master_port(self, gen: int, port: int) -> None:
-        self.store.set(f"master_port/{gen}", str(port))
+        self._tcp.set(f"master_port/{gen}", str(port))
 
     def has_master_port(self, gen: int) -> bool:
-        return self.store.check([f"master_port/{gen}"])
+        return self._tcp.check([f"master_port/{gen}"])
 
     def master_port(self, gen: int) -> int:
-        return int(self.store.get(f"master_port/{gen}"))  # blocks until node 0 published it
+        return int(self._tcp.get(f"master_port/{gen}"))  # blocks until node 0 published it
 
     # -- membership (tiers 3-4) --------------------------------------------
     def set_member(self, rank: int, gen: int) -> None:
-        self.store.set(f"member/{rank}", str(gen))
+        self._tcp.set(f"member/{rank}", str(gen))
 
     def member(self, rank: int) -> int:
         """The generation ``rank``'s current process belongs to; -1 if never set."""
         key = f"member/{rank}"
-        return int(self.store.get(key)) if self.store.check([key]) else -1
+        return int(self._tcp.get(key)) if self._tcp.check([key]) else -1
 
+    def mark_started(self, gen: int, node: int) -> None:
+        self._tcp.set(f"started/{gen}/{node}", "1")
+
+    def was_started(self, gen: int, node: int) -> bool:
+        """Whether ``node``'s ranks were started in ``gen`` (a replacement node then asks for a new one)."""
+        return self._tcp.check([f"started/{gen}/{node}"])
+
+    # -- the join barrier (tiers 3-4) ----------------------------------------
+    def join(self, gen: int) -> int:
+        """Count this rank into generation ``gen``; returns how many joined so far."""
+        return self._tcp.add(f"gen{gen}/joined", 1)
+
+    def joined(self, gen: int) -> int:
+        return self._tcp.add(f"gen{gen}/joined", 0)
+
+    # -- the step-commit vote (tiers 3-4) -----------------------------------
+    def vote(self, gen: int, step: int) -> int:
+        """Count this rank's vote for ``step`` of ``gen``; returns the votes so far."""
+        return self._tcp.add(f"gen{gen}/vote/{step}", 1)
+
+    def decide(self, gen: int, step: int, decision: str) -> bytes:
+        """Write ``decision`` unless one exists; returns the decision that stands (exactly one per step)."""
+        return self._tcp.compare_set(f"gen{gen}/decision/{step}", "", decision)
+
+    def decision(self, gen: int, step: int) -> bytes | None:
+        """The decision on ``step`` of ``gen``, or None while there is none."""
+        key = f"gen{gen}/decision/{step}"
+        return self._tcp.get(key) if self._tcp.check([key]) else None
+
+    # -- tier 4 ------------------------------------------------------------
+    def mark_state_recorded(self) -> None:
+        """Some rank recorded a committed step in memory: a recovery can restore from memory."""
+        self._tcp.set("state/recorded", "1")
+
+    def state_recorded(self) -> bool:
+        return self._tcp.check(["state/recorded"])
+
+    # -- completion ---------------------------------------------------------
     def mark_done(self, gen: int, node: int) -> None:
-        self.store.set(f"done/{gen}/{node}", "1")
+        self._tcp.set(f"done/{gen}/{node}", "1")
 
     def nodes_done(self, gen: int, nnodes: int) -> bool:
-        return self.store.check([f"done/{gen}/{n}" for n in range(nnodes)])
+        return self._tcp.check([f"done/{gen}/{n}" for n in range(nnodes)])

@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ckless_lightning._process import die_with_parent
 from ckless_lightning.data.batch_cache import BatchCacheLayout, BatchCacheWriter, source_tag
 from ckless_lightning.data.loader import StepBatchLoader
 from ckless_lightning.data.packing import load_prepared
+from ckless_lightning.runtime.contract import die_with_parent
 
 __all__ = ["consumer_wants", "main", "run_reader", "window_steps"]
 

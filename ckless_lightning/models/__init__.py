@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ckless_lightning.models.init import init_weights
 from ckless_lightning.models.layers import CausalLMOutput
 from ckless_lightning.models.llama3 import Llama3, Llama3Config
+from ckless_lightning.models.mesh import MESH_DIM_NAMES, build_mesh, resolve_mesh
 from ckless_lightning.models.mixtral import Mixtral, MixtralConfig
 from ckless_lightning.models.parallelize import (
     FSDPConfig,
@@ -26,18 +27,21 @@ from ckless_lightning.models.parallelize import (
 )
 
 __all__ = [
+    "MESH_DIM_NAMES",
     "CausalLMOutput",
     "FSDPConfig",
     "Llama3",
     "Llama3Config",
     "Mixtral",
     "MixtralConfig",
+    "build_mesh",
     "build_model",
     "fsdp_shard_dims",
     "init_weights",
     "parallelize_llama3",
     "parallelize_mixtral",
     "parallelize_model",
+    "resolve_mesh",
 ]
 
 

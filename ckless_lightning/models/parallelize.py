@@ -18,11 +18,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from ckless_lightning.models.llama3 import Llama3
+from ckless_lightning.models.mesh import MESH_DIM_NAMES
 from ckless_lightning.models.mixtral import Experts, Mixtral
 
-__all__ = ["MESH_DIM_NAMES", "FSDPConfig", "fsdp_shard_dims", "parallelize_llama3", "parallelize_mixtral"]
-
-MESH_DIM_NAMES = ("replicate", "shard")
+__all__ = ["FSDPConfig", "fsdp_shard_dims", "parallelize_llama3", "parallelize_mixtral"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,7 +77,7 @@ def fsdp_shard_dims(model: nn.Module) -> dict[str, int]:
     Expert weights ``[E, ...]`` are sharded on dim 1: with 8 experts over 32 or
     more ranks, dim 0 would leave most ranks empty and a few holding whole
     experts (torchtitan does the same without expert parallelism). The memory
-    plan (``ckless_lightning.plan``) uses the same map.
+    plan (``ckless_lightning.runtime.memory_plan``) uses the same map.
     """
     dims = {name: 0 for name, _ in model.named_parameters()}
     for module_name, module in model.named_modules():

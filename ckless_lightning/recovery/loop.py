@@ -3,8 +3,11 @@
 On a fault inside ``fit`` (an exception in this rank's code, a collective
 failing because a peer died or was killed, or the commit vote abandoned
 because the job moved to a new generation), Lightning unwinds ``fit`` and calls
-the strategy's ``on_exception``, which cuts this rank's connections so its
-peers fail fast. The loop then drops the process group, leaves the generation
+the strategy's ``on_exception``, which runs this loop's ``_on_leave``: it cuts
+this rank's connections (:mod:`~ckless_lightning.recovery.sever`) so its peers
+fail fast. The loop sits above the strategy: it builds one per generation and
+hands it the generation, the step vote, the leave hook and tier 4's memory
+restore. The loop then drops the process group, leaves the generation
 (moving the job to the next one if nobody has yet), waits in the join barrier
 until every rank, replacements included, is in the new generation, and calls
 ``fit`` again on a new Trainer, strategy and LightningModule. Lightning's own
@@ -30,91 +33,89 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Callable
-from datetime import timedelta
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from ckless_lightning.callbacks.heartbeat import HeartbeatCallback
-from ckless_lightning.callbacks.replication import ReplicationCallback
-from ckless_lightning.callbacks.timeline import TimelineCallback
-from ckless_lightning.checkpointing import latest_checkpoint
-from ckless_lightning.comm import GenerationChanged, JobStore, StepCommit, connect_store
-from ckless_lightning.events import EventLog
-from ckless_lightning.rank import is_peer_failure
-from ckless_lightning.recovery.memory import MEMORY_CHECKPOINT, MemoryRestore
+from ckless_lightning.comm import Generation, GenerationChanged, JobStore
+from ckless_lightning.models import resolve_mesh
+from ckless_lightning.record.events import EventLog
+from ckless_lightning.recovery.commit import StepCommit
+from ckless_lightning.recovery.memory import MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
-from ckless_lightning.replication import SnapshotStore, Transfer
+from ckless_lightning.recovery.sever import fail_fast
+from ckless_lightning.replication import SnapshotCopies, Transfer
 from ckless_lightning.replication.state import local_state_tensors, reshard_all
-from ckless_lightning.strategy import CheckpointlessStrategy
+from ckless_lightning.runtime.checkpointing import latest_checkpoint
+from ckless_lightning.runtime.contract import RankContext, is_peer_failure
+from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
+from ckless_lightning.training.strategy import MEMORY_CHECKPOINT, CheckpointlessStrategy
 
-__all__ = ["InProcessRecovery", "JobGaveUp", "MakeTrainer"]
+__all__ = ["InProcessRecovery", "JobGaveUp", "MakeTrainer", "RecoveryFaults"]
 
-_STATE_KEY = "tier4/state"  # set once any rank recorded a committed step: memory can serve a restore
 # (strategy of this generation, callbacks to add to the Trainer) -> Trainer
 MakeTrainer = Callable[[CheckpointlessStrategy, list[pl.Callback]], pl.Trainer]
+_SETTLE_ON_LEAVE_S = 5.0  # tier 4: how long a leaving rank lets a buddy exchange in flight finish
+
+
+class RecoveryFaults(Protocol):
+    """Fault injection's hooks into a recovery (``FaultInjectionCallback`` implements them)."""
+
+    def on_recovery(self, completed_step: int) -> None:
+        """Between leaving a generation and joining the next (the ``recovery`` phase)."""
+
+    def on_transfer(self, completed_step: int) -> None:
+        """Tier 4: as the state transfer starts, on every rank (the ``transfer`` phase)."""
+
+    def corrupt_transfer(self, pair: Transfer, bucket: int, buffer: torch.Tensor) -> None:
+        """Tier 4, on a source: may flip bytes of a bucket in flight (the ``corrupt`` fault)."""
 
 
 class InProcessRecovery:
     """Runs ``fit`` until it completes, rejoining the job in-process after each fault (tiers 3, 4).
 
     Args:
-        store: the job store (hosted by node 0's agent).
-        rank, world_size: this rank and the job's world size.
-        generation: the generation this process was started in.
-        replicate, shard: the strategy's mesh (see :class:`CheckpointlessStrategy`).
+        generation: the generation this process starts in: the job store, this rank, the world
+            size, the (replicate, shard) mesh and the process groups' timeout.
         checkpoint_dir: where the disk checkpoints are (tier 3 reloads the latest).
-        timeout_s: collective timeout of each generation's process group.
         events: the job's event log (recovery phases as ``rank_phase`` events).
-        on_recovery: called with the last completed step after leaving a generation
-            and before joining the next (fault injection's ``recovery`` phase).
-        snapshots: tier 4: this rank's :class:`SnapshotStore`; recoveries then restore from
-            memory (``source="memory"``) instead of the last disk checkpoint.
+        faults: fault injection's hooks into recoveries (tests and demos).
+        snapshots: tier 4: this rank's :class:`SnapshotCopies`; recoveries then restore from
+            memory (``MEMORY_CHECKPOINT``) instead of the last disk checkpoint.
         bucket_bytes: tier 4: transfer bucket size.
-        corrupt: tier 4 test hook: flips bytes of a bucket in flight on a source.
-        on_transfer: tier 4: called with the last completed step as a state transfer starts
-            (fault injection's ``transfer`` phase).
     """
 
     def __init__(
         self,
-        store: JobStore,
+        generation: Generation,
         *,
-        rank: int,
-        world_size: int,
-        generation: int = 0,
-        replicate: int = 1,
-        shard: int = -1,
         checkpoint_dir: str | Path | None = None,
-        timeout_s: float = 600.0,
         events: EventLog | None = None,
-        on_recovery: Callable[[int], None] | None = None,
-        snapshots: SnapshotStore | None = None,
+        faults: RecoveryFaults | None = None,
+        snapshots: SnapshotCopies | None = None,
         bucket_bytes: int = 64 << 20,
-        corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
-        on_transfer: Callable[[int], None] | None = None,
     ) -> None:
-        self.store = store
-        self.rank = rank
-        self.world_size = world_size
-        self.replicate = replicate
-        self.shard = shard
+        self.generation = generation
+        self.store: JobStore = generation.store
+        self.rank = generation.rank
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.timeout_s = timeout_s
         self.events = events
-        self.on_recovery = on_recovery or (lambda step: None)
+        self.faults = faults
         self.session = GenerationSession(
-            store, rank=rank, world_size=world_size, generation=generation, on_phase=self._phase
+            self.store,
+            rank=self.rank,
+            world_size=generation.world_size,
+            generation=generation.number,
+            on_phase=self._phase,
+            announce=self._announce if events is not None else None,
         )
         self.snapshots = snapshots
         self.bucket_bytes = bucket_bytes
-        self.corrupt = corrupt
-        self.on_transfer = on_transfer or (lambda step: None)
-        self.replication: ReplicationCallback | None = None  # the current generation's (its cost)
+        self.snapshot_callback: SnapshotCallback | None = None  # the current generation's (its cost)
         self.record_s = 0.0
         self.settle_s = 0.0
         self.records = 0
@@ -124,17 +125,35 @@ class InProcessRecovery:
         self.votes = 0
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **kwargs: Any) -> InProcessRecovery:
-        """Connect to the job store named by the agent's variables (CKLESS_STORE_ADDR/PORT, ...)."""
-        env = dict(os.environ if env is None else env)
-        store = connect_store(env["CKLESS_STORE_ADDR"], int(env["CKLESS_STORE_PORT"]), is_master=False)
-        return cls(
-            JobStore(store),
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            generation=int(env.get("CKLESS_GENERATION", "0")),
-            **kwargs,
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        replicate: int = 1,
+        shard: int = -1,
+        pg_timeout_s: float = 600.0,
+        **kwargs: Any,
+    ) -> InProcessRecovery:
+        """Join the job whose store the node agent names in the environment (``CKLESS_STORE_ADDR``...).
+
+        ``replicate``/``shard`` give the mesh (``shard=-1`` derives it); ``kwargs`` go to the constructor.
+        """
+        context = RankContext.from_env(env)
+        if not context.has_store:
+            raise ValueError(
+                "InProcessRecovery needs the node agent's job store: start the ranks with launch.py, "
+                "or set CKLESS_STORE_ADDR / CKLESS_STORE_PORT to a running agent's store"
+            )
+        store = JobStore.connect(context.store_addr, context.store_port)  # type: ignore[arg-type]
+        generation = Generation(
+            store,
+            number=context.generation,
+            rank=context.rank,
+            world_size=context.world_size,
+            mesh=resolve_mesh(context.world_size, replicate, shard),
+            pg_timeout_s=pg_timeout_s,
         )
+        return cls(generation, **kwargs)
 
     # -- the loop ------------------------------------------------------------------------------------
     def fit(
@@ -153,18 +172,18 @@ class InProcessRecovery:
         """
         resume: str | Path | None = ckpt_path
         recovering = self.session.generation > 0
-        left_after: int | None = None  # the last completed step, while between generations
+        left_after: int | None = None  # the completed step, while between generations
         while True:
             trainer: pl.Trainer | None = None
             try:
-                if left_after is not None:
-                    self.on_recovery(left_after)
-                gen = self.session.join()
+                if left_after is not None and self.faults is not None:
+                    self.faults.on_recovery(left_after)
+                gen = self.generation.next(self.session.join())
                 left_after = None
                 if recovering:
                     resume = self._resume_point(ckpt_path)
-                    self._phase("resume_chosen", gen, resumed_from=str(resume) if resume else None)
-                trainer = make_trainer(self._strategy(gen), self._callbacks(gen))
+                    self._phase("resume_chosen", gen.number, resumed_from=str(resume) if resume else None)
+                trainer = make_trainer(self._strategy(gen), self._callbacks(gen.number))
                 trainer.fit(make_module(), datamodule=datamodule, ckpt_path=resume)
                 self._count_votes()
                 return trainer
@@ -173,10 +192,10 @@ class InProcessRecovery:
             except Exception as err:  # any fault: leave this generation and rejoin the next
                 self._count_votes()
                 if trainer is not None:
-                    self.session.last_step = trainer.global_step
+                    self.session.completed_step = trainer.global_step
                 self._capture_live_state(trainer, err)
                 self._leave(err)
-                left_after = self.session.last_step
+                left_after = self.session.completed_step
                 recovering = True
             # Out of the except block, the traceback (and with it the old Trainer, module,
             # FSDP state and process groups) is unreachable: free them, threads and sockets too.
@@ -186,40 +205,50 @@ class InProcessRecovery:
             gc.collect()
 
     # -- pieces --------------------------------------------------------------------------------------
-    def _strategy(self, gen: int) -> CheckpointlessStrategy:
-        self.commit = StepCommit(self.store, generation=gen, world_size=self.world_size)
+    def _strategy(self, gen: Generation) -> CheckpointlessStrategy:
+        """Generation ``gen``'s strategy, handed the vote, the leave hook and (tier 4) the memory restore."""
+        self.commit = StepCommit(gen)
         memory = None
         if self.snapshots is not None:
+            faults = self.faults
             memory = MemoryRestore(
                 self.snapshots,
-                replicate=self.replicate,
-                shard=self.shard if self.shard != -1 else self.world_size // self.replicate,
+                gen,
                 checkpoint_dir=self.checkpoint_dir,
                 bucket_bytes=self.bucket_bytes,
                 events=self.events,
-                generation=gen,
-                corrupt=self.corrupt,
-                on_transfer=lambda: self.on_transfer(self.session.last_step),
+                corrupt=faults.corrupt_transfer if faults is not None else None,
+                on_transfer=(
+                    (lambda: faults.on_transfer(self.session.completed_step)) if faults is not None else None
+                ),
             )
         return CheckpointlessStrategy(
-            replicate=self.replicate,
-            shard=self.shard,
-            timeout=timedelta(seconds=self.timeout_s),
-            job_store=self.store.store,
             generation=gen,
-            on_comm_phase=lambda phase: self._phase(phase, gen),
-            commit=self.commit,
-            keep_ports=frozenset({self.store.port}),
+            on_comm_phase=lambda phase: self._phase(phase, gen.number),
+            step_vote=self.commit.vote,
+            on_leave=self._on_leave,
             memory=memory,
         )
+
+    def _on_leave(self) -> None:
+        """From the strategy's ``on_exception``: make peers notice at once that this rank is leaving.
+
+        Tier 4 first lets a buddy exchange in flight finish (peers' gloo threads progress it even
+        while they wait in a collective), so its copies stay usable.
+        """
+        if self.snapshots is not None:
+            self.snapshots.settle(timeout_s=_SETTLE_ON_LEAVE_S)
+        fail_fast(keep_ports={self.store.port})
 
     def _callbacks(self, gen: int) -> list[pl.Callback]:
         """This generation's callbacks, in order; put them first in the Trainer's list (tier 4's
         snapshot must run before any callback that communicates)."""
         callbacks: list[pl.Callback] = []
         if self.snapshots is not None:
-            self.replication = ReplicationCallback(self.snapshots, on_first_record=self._mark_state_exists)
-            callbacks.append(self.replication)
+            self.snapshot_callback = SnapshotCallback(
+                self.snapshots, on_first_record=self.store.mark_state_recorded
+            )
+            callbacks.append(self.snapshot_callback)
         callbacks.append(HeartbeatCallback(self.store, rank=self.rank, generation=gen))
         if self.events is not None:
             callbacks.append(TimelineCallback(self.events, rank=self.rank, generation=gen))
@@ -228,28 +257,23 @@ class InProcessRecovery:
     def _leave(self, err: Exception) -> None:
         """Drop the process group and move past the current generation (a fault, also in recovery)."""
         old = self.session.generation
-        last_step = self.session.last_step
+        completed = self.session.completed_step
         self._phase("recovery_start", old, error=f"{type(err).__name__}: {str(err)[:200]}")
         print(
-            f"rank {self.rank}: leaving generation {old} after step {last_step} "
+            f"rank {self.rank}: leaving generation {old} after step {completed} "
             f"({type(err).__name__}: {str(err)[:200]})",
             file=sys.stderr,
         )
         if dist.is_initialized():
             dist.destroy_process_group()
-        new = self.session.leave()
-        if self.events is not None and self.store.store.add(f"announced/{new}", 1) == 1:
-            self.events.emit("generation", gen=new, reason="fault")
+        self.session.leave()
         self.recoveries += 1
 
     def _resume_point(self, ckpt_path: str | Path | None) -> str | Path | None:
         """Where a recovery resumes: memory (tier 4, once any step was committed), else disk."""
-        if self.snapshots is not None and self.store.store.check([_STATE_KEY]):
+        if self.snapshots is not None and self.store.state_recorded():
             return MEMORY_CHECKPOINT
         return self._latest_checkpoint() or ckpt_path
-
-    def _mark_state_exists(self) -> None:
-        self.store.store.set(_STATE_KEY, "1")
 
     def _capture_live_state(self, trainer: pl.Trainer | None, err: Exception) -> None:
         """Tier 4: keep views of this rank's live tensors if they hold its last recorded step.
@@ -278,11 +302,11 @@ class InProcessRecovery:
         self._collect_snapshot_cost()
 
     def _collect_snapshot_cost(self) -> None:
-        if self.replication is not None:
-            self.record_s += self.replication.record_s
-            self.settle_s += self.replication.settle_s
-            self.records += self.replication.records
-            self.replication = None
+        if self.snapshot_callback is not None:
+            self.record_s += self.snapshot_callback.record_s
+            self.settle_s += self.snapshot_callback.settle_s
+            self.records += self.snapshot_callback.records
+            self.snapshot_callback = None
 
     def _latest_checkpoint(self) -> Path | None:
         return latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
@@ -296,6 +320,11 @@ class InProcessRecovery:
             self.vote_s += self.commit.wait_s
             self.votes += self.commit.votes
             self.commit = None
+
+    def _announce(self, gen: int) -> None:
+        """This rank moved the job to generation ``gen`` first (job-wide): record it once."""
+        assert self.events is not None
+        self.events.emit("generation", gen=gen, reason="fault")
 
     def _phase(self, phase: str, gen: int, **fields: Any) -> None:
         if self.events is not None:

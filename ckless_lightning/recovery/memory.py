@@ -2,12 +2,13 @@
 
 The recovery loop calls ``fit(ckpt_path=MEMORY_CHECKPOINT)``; Lightning hands that
 to ``CheckpointlessStrategy.load_checkpoint``, which calls :meth:`MemoryRestore.restore`
+(the strategy's ``InMemoryState``)
 once the new generation's model and optimizers exist. There every rank:
 
-1. reports what it holds (:class:`~ckless_lightning.replication.SnapshotStore`):
+1. reports what it holds (:class:`~ckless_lightning.replication.SnapshotCopies`):
    its live step (None if lost or untrusted), its own and held snapshot copies;
 2. gathers every rank's report and computes the same plan
-   (:func:`~ckless_lightning.replication.plan_hsdp` / ``plan_buddy``);
+   (:func:`~ckless_lightning.replication.hsdp_sources` / ``buddy_sources``);
 3. survivors copy their live (or rolled-back) tensors into the new model and
    optimizer; each replaced rank receives its shard from its source in
    checksummed buckets, in place (a bad bucket excludes that source and the
@@ -32,23 +33,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckless_lightning.checkpointing import latest_checkpoint
-from ckless_lightning.events import EventLog
+from ckless_lightning.comm import Generation
+from ckless_lightning.record.events import EventLog
 from ckless_lightning.replication import (
-    RecoveryPlan,
-    SnapshotStore,
+    SnapshotCopies,
+    SourceMap,
     Transfer,
     TransferError,
-    plan_buddy,
-    plan_hsdp,
+    buddy_sources,
+    hsdp_sources,
     transfer_bytes,
     transfer_tensors,
 )
 from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups, set_rng_state
+from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
-__all__ = ["MEMORY_CHECKPOINT", "MemoryRestore"]
-
-MEMORY_CHECKPOINT = "ckless-memory://committed-step"
+__all__ = ["MemoryRestore"]
 _MAX_PLANS = 4  # re-plans after checksum failures before giving up on memory
 
 
@@ -57,7 +57,7 @@ class MemoryRestore:
 
     Args:
         snapshots: this rank's store (kept by the recovery loop across generations).
-        replicate, shard: the mesh; ``snapshots.mode`` picks the source ("hsdp" or "buddy").
+        generation: the generation restoring (its mesh; ``snapshots.source`` picks "hsdp" or "buddy").
         checkpoint_dir: the disk fallback.
         bucket_bytes: transfer bucket size.
         events: where ``memory_restore`` events go.
@@ -67,26 +67,30 @@ class MemoryRestore:
 
     def __init__(
         self,
-        snapshots: SnapshotStore,
+        snapshots: SnapshotCopies,
+        generation: Generation,
         *,
-        replicate: int,
-        shard: int,
         checkpoint_dir: str | Path | None,
         bucket_bytes: int,
         events: EventLog | None = None,
-        generation: int = 0,
         corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
         on_transfer: Callable[[], None] | None = None,
     ) -> None:
         self.snapshots = snapshots
-        self.replicate = replicate
-        self.shard = shard
+        self.generation = generation
         self.checkpoint_dir = checkpoint_dir
         self.bucket_bytes = bucket_bytes
         self.events = events
-        self.generation = generation
         self.corrupt = corrupt
         self.on_transfer = on_transfer or (lambda: None)
+
+    def attach(self) -> None:
+        """After the generation's process group exists: buddy copies get their own gloo group.
+
+        Host-memory copies travel beside the step's collectives (and NCCL cannot send CPU tensors).
+        """
+        if self.snapshots.source == "buddy":
+            self.snapshots.group = dist.new_group(backend="gloo")
 
     def restore(
         self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
@@ -128,18 +132,19 @@ class MemoryRestore:
                 print(f"tier 4: {plan.reason}", file=sys.stderr)
             return checkpoint
         return self._fall_back(
-            RecoveryPlan(None, (), frozenset(), tuple(sorted(by_rank)), "every source failed its checksum")
+            SourceMap(None, (), frozenset(), tuple(sorted(by_rank)), "every source failed its checksum")
         )
 
     # -- pieces ----------------------------------------------------------------------------------------
-    def _plan(self, reports: dict[int, Any], exclude: frozenset[Transfer]) -> RecoveryPlan:
-        if self.snapshots.mode == "hsdp":
-            return plan_hsdp(reports, replicate=self.replicate, shard=self.shard, exclude=exclude)
+    def _plan(self, reports: dict[int, Any], exclude: frozenset[Transfer]) -> SourceMap:
+        if self.snapshots.source == "hsdp":
+            replicate, shard = self.generation.mesh
+            return hsdp_sources(reports, replicate=replicate, shard=shard, exclude=exclude)
         world = self.snapshots.world_size
         offset = self.snapshots.buddy_offset
-        return plan_buddy(reports, buddy_of=lambda r: (r + offset) % world, exclude=exclude)
+        return buddy_sources(reports, buddy_of=lambda r: (r + offset) % world, exclude=exclude)
 
-    def _fill(self, plan: RecoveryPlan, rank: int, tensors: list[torch.Tensor]) -> bytes:
+    def _fill(self, plan: SourceMap, rank: int, tensors: list[torch.Tensor]) -> bytes:
         """Survivors put their state of ``plan.step`` into the new tensors; returns its loop bytes."""
         snapshots = self.snapshots
         if rank in plan.lost:
@@ -152,26 +157,26 @@ class MemoryRestore:
         copy_into(tensors, snapshots.live_tensors)
         return snapshots.live_loop
 
-    def _receive(self, plan: RecoveryPlan, rank: int, tensors: list[torch.Tensor]) -> frozenset[Transfer]:
+    def _receive(self, plan: SourceMap, rank: int, tensors: list[torch.Tensor]) -> frozenset[Transfer]:
         """Run the plan's transfers (all in parallel); returns the pairs whose checksum failed."""
         if not plan.transfers:
             return frozenset()
         self.on_transfer()
         send: list[torch.Tensor] = tensors
         source_of = {p.src: p for p in plan.transfers}
-        if rank in source_of and self.snapshots.mode == "buddy":
+        if rank in source_of and self.snapshots.source == "buddy":
             send = list(self.snapshots.held_copy(plan.step).buffer.views)  # type: ignore[arg-type]
         ok = transfer_tensors(plan.transfers, send, bucket_bytes=self.bucket_bytes, corrupt=self.corrupt)
         return frozenset(p for p in plan.transfers if not ok[p.dst])
 
-    def _receive_loop(self, plan: RecoveryPlan, rank: int, own_loop: bytes) -> bytes:
+    def _receive_loop(self, plan: SourceMap, rank: int, own_loop: bytes) -> bytes:
         if not plan.transfers:
             return own_loop
         payload: bytes | None = None
         if any(p.src == rank for p in plan.transfers):
             payload = (
                 self.snapshots.held_copy(plan.step).loop_bytes()  # type: ignore[arg-type]
-                if self.snapshots.mode == "buddy"
+                if self.snapshots.source == "buddy"
                 else own_loop
             )
         try:
@@ -180,7 +185,7 @@ class MemoryRestore:
             raise RuntimeError(f"loop state transfer failed its checksum: {err}") from err
         return received if rank in plan.lost else own_loop  # type: ignore[return-value]
 
-    def _fall_back(self, plan: RecoveryPlan) -> Path:
+    def _fall_back(self, plan: SourceMap) -> Path:
         disk = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
         self.snapshots.resumed_at(None)
         self._emit(
@@ -201,4 +206,4 @@ class MemoryRestore:
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.events is not None:
-            self.events.emit(kind, rank=dist.get_rank(), gen=self.generation, **fields)
+            self.events.emit(kind, rank=dist.get_rank(), gen=self.generation.number, **fields)

@@ -7,15 +7,15 @@ CPU with gloo, apart from the Lightning strategy that drives them.
 
 from __future__ import annotations
 
-from ckless_lightning.replication.snapshots import FlatBuffer, Snapshot, SnapshotStore
+from ckless_lightning.replication.snapshots import FlatBuffer, Snapshot, SnapshotCopies
 from ckless_lightning.replication.source_map import (
     RankReport,
-    RecoveryPlan,
+    SourceMap,
     buddy_rank,
+    buddy_sources,
     buddy_survives_node_loss,
     default_buddy_offset,
-    plan_buddy,
-    plan_hsdp,
+    hsdp_sources,
 )
 from ckless_lightning.replication.transfer import (
     DEFAULT_BUCKET_BYTES,
@@ -32,17 +32,17 @@ __all__ = [
     "BucketLayout",
     "FlatBuffer",
     "RankReport",
-    "RecoveryPlan",
     "Snapshot",
-    "SnapshotStore",
+    "SnapshotCopies",
+    "SourceMap",
     "Transfer",
     "TransferError",
     "buddy_rank",
+    "buddy_sources",
     "buddy_survives_node_loss",
     "checksum",
     "default_buddy_offset",
-    "plan_buddy",
-    "plan_hsdp",
+    "hsdp_sources",
     "transfer_bytes",
     "transfer_tensors",
 ]

@@ -9,7 +9,7 @@ without a complete one), sends that slot to its buddy and receives its ward's
 into one of two held slots. The exchange runs asynchronously on its own gloo
 group, overlapped with the end of the step (logging, checkpointing) and the next
 batch fetch; it is settled (waited for) before the next step's first batch
-(``ReplicationCallback``) and before the rank leaves a generation, so a fault
+(``SnapshotCallback``) and before the rank leaves a generation, so a fault
 during a step always finds the last committed step's copies complete.
 
 Nothing here knows Lightning: the loop counters arrive as opaque bytes.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ckless_lightning.replication.source_map import RankReport, buddy_rank
 
-__all__ = ["FlatBuffer", "Snapshot", "SnapshotStore"]
+__all__ = ["FlatBuffer", "Snapshot", "SnapshotCopies"]
 
 _ALIGN = 8
 _HEADER = 8  # the loop buffer starts with its payload length (int64)
@@ -75,12 +75,13 @@ class _Exchange:
 
 
 @dataclass
-class SnapshotStore:
-    """Per rank process. ``mode`` is "hsdp" (live state only) or "buddy" (plus copies)."""
+class SnapshotCopies:
+    """Per rank process. ``source`` (config ``replication.source``): "hsdp" (live state only) or "buddy"
+    (plus copies)."""
 
     rank: int
     world_size: int
-    mode: str
+    source: str
     every_n_steps: int = 1
     buddy_offset: int = 1
     loop_capacity: int = 1 << 20
@@ -93,8 +94,8 @@ class SnapshotStore:
     _pending: _Exchange | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("hsdp", "buddy"):
-            raise ValueError(f"replication.source must be hsdp or buddy, got {self.mode!r}")
+        if self.source not in ("hsdp", "buddy"):
+            raise ValueError(f"replication.source must be hsdp or buddy, got {self.source!r}")
         self.buddy = buddy_rank(self.rank, world_size=self.world_size, offset=self.buddy_offset)
         self.ward = (self.rank - self.buddy_offset) % self.world_size
 
@@ -102,7 +103,7 @@ class SnapshotStore:
     def record(self, step: int, loop: bytes, tensors: Sequence[torch.Tensor]) -> None:
         """After committed step ``step``: remember its loop state; every k-th step, copy and exchange."""
         self.live_step, self.live_loop = step, loop
-        if self.mode != "buddy" or step % self.every_n_steps:
+        if self.source != "buddy" or step % self.every_n_steps:
             return
         self.settle()
         own = self._slot(self.own, tensors, step)
@@ -158,7 +159,7 @@ class SnapshotStore:
             rank=self.rank,
             live_step=self.live_step if has_live else None,
             own_steps=own,
-            held={self.ward: held} if self.mode == "buddy" else {},
+            held={self.ward: held} if self.source == "buddy" else {},
         )
 
     def own_copy(self, step: int) -> Snapshot:

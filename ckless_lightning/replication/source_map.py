@@ -10,9 +10,9 @@ disk checkpoint.
 
 Two layouts:
 
-- HSDP (:func:`plan_hsdp`): rank ``r = i * shard + s`` is replica ``i`` of shard
+- HSDP (:func:`hsdp_sources`): rank ``r = i * shard + s`` is replica ``i`` of shard
   ``s``; a lost rank copies the live state of a surviving replica of its shard.
-- Buddy snapshots (:func:`plan_buddy`): each rank's periodic snapshot is also
+- Buddy snapshots (:func:`buddy_sources`): each rank's periodic snapshot is also
   held by its buddy ``buddy_of(r)``; a lost rank copies it back from the buddy,
   and survivors roll back to their own snapshot of the same step when needed.
 """
@@ -26,12 +26,12 @@ from ckless_lightning.replication.transfer import Transfer
 
 __all__ = [
     "RankReport",
-    "RecoveryPlan",
+    "SourceMap",
     "buddy_rank",
+    "buddy_sources",
     "buddy_survives_node_loss",
     "default_buddy_offset",
-    "plan_buddy",
-    "plan_hsdp",
+    "hsdp_sources",
 ]
 
 _FALLBACK = "falling back to the last disk checkpoint"
@@ -55,7 +55,7 @@ class RankReport:
 
 
 @dataclass(frozen=True)
-class RecoveryPlan:
+class SourceMap:
     """The outcome every rank agrees on.
 
     ``step``: the step everyone resumes at, ``None`` to fall back to the last
@@ -82,8 +82,8 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ("rank " if len(items) == 1 else "ranks ") + ", ".join(map(str, items))
 
 
-def _fallback(lost: Iterable[int], why: str) -> RecoveryPlan:
-    return RecoveryPlan(None, (), frozenset(), tuple(sorted(lost)), f"{why}: {_FALLBACK}")
+def _fallback(lost: Iterable[int], why: str) -> SourceMap:
+    return SourceMap(None, (), frozenset(), tuple(sorted(lost)), f"{why}: {_FALLBACK}")
 
 
 def _live(reports: dict[int, RankReport], world: Iterable[int]) -> tuple[dict[int, int], list[int]]:
@@ -107,13 +107,13 @@ def _disagreement(live: dict[int, int]) -> str:
     return f"survivors disagree on the live step ({parts})"
 
 
-def plan_hsdp(
+def hsdp_sources(
     reports: dict[int, RankReport],
     *,
     replicate: int,
     shard: int,
     exclude: frozenset[Transfer] = frozenset(),
-) -> RecoveryPlan:
+) -> SourceMap:
     """Restore each lost rank from the lowest-numbered surviving replica of its shard.
 
     Rank ``r = i * shard + s`` is replica ``i``, shard ``s``; a rank missing
@@ -123,11 +123,11 @@ def plan_hsdp(
     lost rank has no eligible peer.
     """
     if replicate < 1 or shard < 1:
-        raise ValueError(f"plan_hsdp: replicate={replicate} and shard={shard} must be >= 1.")
+        raise ValueError(f"hsdp_sources: replicate={replicate} and shard={shard} must be >= 1.")
     world = replicate * shard
     unknown = sorted(set(reports) - set(range(world)))
     if unknown:
-        raise ValueError(f"plan_hsdp: reports for {_ranks(unknown)} outside a world of {world}.")
+        raise ValueError(f"hsdp_sources: reports for {_ranks(unknown)} outside a world of {world}.")
     live, lost = _live(reports, range(world))
     if not live:
         return _fallback(lost, "no rank survived")
@@ -159,8 +159,8 @@ def plan_hsdp(
                 )
         return _fallback(lost, "; ".join(parts))
     if not lost:
-        return RecoveryPlan(step, (), frozenset(), (), f"no rank lost (step {step})")
-    return RecoveryPlan(
+        return SourceMap(step, (), frozenset(), (), f"no rank lost (step {step})")
+    return SourceMap(
         step,
         tuple(transfers),
         frozenset(),
@@ -169,12 +169,12 @@ def plan_hsdp(
     )
 
 
-def plan_buddy(
+def buddy_sources(
     reports: dict[int, RankReport],
     *,
     buddy_of: Callable[[int], int],
     exclude: frozenset[Transfer] = frozenset(),
-) -> RecoveryPlan:
+) -> SourceMap:
     """Resume at the latest step every rank can reach; lost ranks copy from their buddy.
 
     ``reports`` covers every rank of the job; ``buddy_of(r)`` is the rank that
@@ -206,7 +206,7 @@ def plan_buddy(
             parts = [f"{_ranks(lost)} restored from buddies"] if lost else ["no rank lost"]
             if rollback:
                 parts.append(f"{_ranks(rollback)} roll back to their own snapshot")
-            return RecoveryPlan(step, transfers, rollback, tuple(lost), f"{'; '.join(parts)} (step {step})")
+            return SourceMap(step, transfers, rollback, tuple(lost), f"{'; '.join(parts)} (step {step})")
 
     gone = []
     for r in lost:

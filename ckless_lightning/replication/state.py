@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ckless_lightning._torch_compat import init_optimizer_state
+from ckless_lightning.replication._torch_compat import init_optimizer_state
 
 __all__ = [
     "copy_into",

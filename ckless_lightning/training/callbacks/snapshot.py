@@ -1,4 +1,4 @@
-"""ReplicationCallback (tier 4): after every committed step, record the state a peer could restore.
+"""SnapshotCallback (tier 4): after every committed step, snapshot the state a peer could restore.
 
 Called at the end of each optimizer step (``on_train_batch_end`` of its last
 micro-batch), before any callback that communicates: the in-process recovery
@@ -10,7 +10,7 @@ its last snapshot always describe the same step.
 The snapshot is Lightning's own checkpoint dict without the tensors (loops,
 callbacks, LR schedulers, optimizer hyper-parameters, data position) plus the
 RNG state, pickled; the tensors stay live, or (``buddy`` source) are copied to
-host memory and to the buddy rank by the :class:`SnapshotStore`; that exchange
+host memory and to the buddy rank by the :class:`SnapshotCopies`; that exchange
 runs in the background and is waited for before the next step's first batch.
 """
 
@@ -24,18 +24,19 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from ckless_lightning._lightning_compat import dump_training_state
-from ckless_lightning.replication import SnapshotStore
+from ckless_lightning.replication import SnapshotCopies
 from ckless_lightning.replication.state import local_state_tensors, rng_state
+from ckless_lightning.training._lightning_compat import dump_training_state
+from ckless_lightning.training.steps import is_step_end
 
-__all__ = ["ReplicationCallback"]
+__all__ = ["SnapshotCallback"]
 
 
-class ReplicationCallback(pl.Callback):
+class SnapshotCallback(pl.Callback):
     """Records each committed step in ``snapshots``; ``on_first_record`` runs once (the job has state)."""
 
     def __init__(
-        self, snapshots: SnapshotStore, *, on_first_record: Callable[[], None] | None = None
+        self, snapshots: SnapshotCopies, *, on_first_record: Callable[[], None] | None = None
     ) -> None:
         self.snapshots = snapshots
         self.on_first_record = on_first_record
@@ -62,13 +63,12 @@ class ReplicationCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """After the optimizer update of a step (its last micro-batch), once per step."""
-        if (batch_idx + 1) % trainer.accumulate_grad_batches != 0:
+        if not is_step_end(trainer, batch_idx):
             return
         start = time.perf_counter()
-        strategy = trainer.strategy
-        light = getattr(strategy, "light_state", None)
+        light = getattr(trainer.strategy, "light_state", None)
         if light is None:
-            raise TypeError("ReplicationCallback needs CheckpointlessStrategy (its light_state())")
+            raise TypeError("SnapshotCallback needs CheckpointlessStrategy (its light_state())")
         with light():
             checkpoint = dump_training_state(trainer)
         checkpoint["ckless_rng"] = rng_state()

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from ckless_lightning.config import OptimConfig
 from ckless_lightning.models import FSDPConfig, build_model, init_weights, parallelize_model
+from ckless_lightning.runtime.config import OptimConfig
 
 __all__ = ["CausalLMModule", "warmup_cosine"]
 

@@ -30,10 +30,10 @@ transfer        :meth:`FaultInjectionCallback.on_transfer`,      tier 4: joined;
 ==============  ===============================================  ====================================
 
 The real optimizer's step hooks fire after the vote because
-:class:`~ckless_lightning.strategy.CheckpointlessStrategy` runs the closure
+:class:`~ckless_lightning.training.strategy.CheckpointlessStrategy` runs the closure
 (forward, backward, clipping), then the vote, then ``optimizer.step()``.
 
-Injection, after :func:`~ckless_lightning.faults.claim_fault` won and
+Injection, after :func:`~ckless_lightning.runtime.faults.claim_fault` won and
 ``on_inject(spec)`` returned: ``kill`` SIGKILLs the process; ``hang`` SIGSTOPs
 it (the agent's hang detection kills it); ``exception`` raises
 :class:`InjectedFault`; ``node_loss`` SIGKILLs the node's agent (its other
@@ -59,7 +59,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from ckless_lightning.faults import FaultSpec, claim_fault
+from ckless_lightning.runtime.faults import FaultSpec, claim_fault
+from ckless_lightning.training.steps import is_step_end
 
 __all__ = ["FaultInjectionCallback", "InjectedFault"]
 
@@ -82,7 +83,7 @@ class FaultInjectionCallback(pl.Callback):
     """Fires this rank's ``injected_by=inside`` faults of ``specs``, each at most once per ``marker_dir``.
 
     Args:
-        specs: the job's plan (:func:`~ckless_lightning.faults.plan_faults`); others' faults are ignored.
+        specs: the job's faults (``JobConfig.fault_specs()``); other ranks' faults are ignored.
         rank: the global rank this process plays.
         marker_dir: where fired faults are recorded; shared by every rank and restart of the job.
         on_inject: called with the spec just before injecting; it must make its record durable
@@ -129,25 +130,25 @@ class FaultInjectionCallback(pl.Callback):
             if "optimizer" in phases:
                 self._optimizer_handles.append(optimizer.register_step_post_hook(self._after_optimizer_step))
 
-    def on_recovery(self, last_step: int) -> None:
+    def on_recovery(self, completed_step: int) -> None:
         """Called by the in-process recovery loop between generations: fire ``recovery`` faults.
 
         A ``recovery`` fault of step N fires in the first recovery once the rank
-        started step N (``last_step >= N - 1``).
+        started step N (``completed_step >= N - 1``).
         """
         self._due = [
             s
             for s in self.specs
-            if s.phase == "recovery" and s.fault_type != "corrupt" and last_step >= s.step - 1
+            if s.phase == "recovery" and s.fault_type != "corrupt" and completed_step >= s.step - 1
         ]
         self._fire("recovery")
 
-    def on_transfer(self, last_step: int) -> None:
+    def on_transfer(self, completed_step: int) -> None:
         """Tier 4: called on every rank as the state transfer of a recovery starts: ``transfer`` faults."""
         self._due = [
             s
             for s in self.specs
-            if s.phase == "transfer" and s.fault_type != "corrupt" and last_step >= s.step - 1
+            if s.phase == "transfer" and s.fault_type != "corrupt" and completed_step >= s.step - 1
         ]
         self._fire("transfer")
 
@@ -167,10 +168,7 @@ class FaultInjectionCallback(pl.Callback):
     ) -> None:
         """Before each micro-batch's forward: arm the faults of this micro-batch; fire ``data`` faults."""
         self._disarm()
-        last_micro_batch = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or bool(
-            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-        )
-        if not last_micro_batch:
+        if not is_step_end(trainer, batch_idx):
             return
         self._due = [s for s in self.specs if s.step == trainer.global_step + 1]
         if not self._due:

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from ckless_lightning.comm import Heartbeat, JobStore
+from ckless_lightning.training.steps import is_step_end
 
 __all__ = ["HeartbeatCallback"]
 
@@ -28,8 +29,8 @@ class HeartbeatCallback(pl.Callback):
         self.generation = generation
         self._started = False
 
-    def beat(self, step: int) -> None:
-        self.store.set_rank_heartbeat(self.rank, Heartbeat(self.generation, step, time.time()))
+    def beat(self, completed_step: int) -> None:
+        self.store.set_rank_heartbeat(self.rank, Heartbeat(self.generation, completed_step, time.time()))
 
     @override
     def on_train_batch_start(
@@ -42,6 +43,6 @@ class HeartbeatCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        if is_step_end(trainer, batch_idx):
             self._started = True
             self.beat(trainer.global_step)

@@ -1,7 +1,7 @@
 """What a job's faults cost: per-fault recovery timings and job goodput, from the event log.
 
 ``launch.py`` prints :meth:`JobSummary.format` at the end of a job. The input is
-``<run_dir>/events.jsonl`` (schema in :mod:`ckless_lightning.events`) and
+``<run_dir>/events.jsonl`` (schema in :mod:`ckless_lightning.record.events`) and
 ``<run_dir>/losses.jsonl`` (``{"step", "loss", "t"}`` appended by rank 0 after
 every optimizer step; a restarted run appends again from its resume point).
 A leaf module: no torch, no Lightning.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckless_lightning.events import read_events, read_jsonl
+from ckless_lightning.record.events import read_events, read_jsonl
 
 __all__ = ["FaultRecovery", "JobSummary", "summarize", "summarize_run"]
 
@@ -45,7 +45,7 @@ class FaultRecovery:
     t_fault: float
     fault_type: str  # the injected fault_type, else the detection reason ("hang", ...)
     rank: int | None
-    fault_step: int | None  # injected step, else the detection's last_step + 1 (the step it was in)
+    fault_step: int | None  # injected step, else the detection's completed_step + 1 (the step in progress)
     phase: str | None
     injected_by: str | None  # "inside" | "outside"; None for a fault that was only detected
     detected_by: str | None = None
@@ -198,15 +198,15 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
         if e["kind"] == "fault_detected" or (e["kind"] == "rank_phase" and e["phase"] == "recovery_start")
     ]
     detection = opener if not injected else (detections[0] if detections else None)
-    last_step = detection.get("last_step") if detection is not None else None
-    if last_step is not None and last_step < 0:
-        last_step = None  # the heartbeat's "still starting up"
+    completed = detection.get("completed_step") if detection is not None else None
+    if completed is not None and completed < 0:
+        completed = None  # the heartbeat's "still starting up"
     fault = FaultRecovery(
         index=index,
         t_fault=t_f,
         fault_type=opener["fault_type"] if injected else str(opener.get("reason", "fault")),
         rank=opener.get("rank"),
-        fault_step=opener.get("step") if injected else (None if last_step is None else last_step + 1),
+        fault_step=opener.get("step") if injected else (None if completed is None else completed + 1),
         phase=opener.get("phase") if injected else None,
         injected_by=opener.get("injected_by") if injected else None,
         old_gen=old_gens[-1] if old_gens else 0,

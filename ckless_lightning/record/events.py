@@ -1,7 +1,7 @@
 """The job's recovery timeline: ``<run_dir>/events.jsonl``, one JSON object per line.
 
 Every agent and every rank appends to the same file while the job runs; the
-summary at the end of ``launch.py`` (:mod:`ckless_lightning.summary`) reads it
+summary at the end of ``launch.py`` (:mod:`ckless_lightning.record.summary`) reads it
 back. A leaf module: no torch, no Lightning, so the agent can use it.
 
 Every record has ``t`` (``time.time()`` of the event, or a time the emitter
@@ -30,10 +30,11 @@ line N of ``losses.jsonl``. The kinds and their fields:
     A test fault hit ``rank`` during optimizer step ``step`` (its ``phase``:
     forward, backward, ...); steps 1..step-1 were complete.
 ``fault_detected`` {by, rank, reason: "exit" | "hang" | "node_lost", exit_code: int | None,
-last_step: int | None}
-    ``by`` (a source name) noticed that ``rank`` failed; ``last_step`` is the last
-    optimizer step that rank reported complete (its heartbeat), so the fault hit
-    step ``last_step + 1``; None, or -1 for a rank still starting up, if unknown.
+completed_step: int | None}
+    ``by`` (a source name) noticed that ``rank`` failed; ``completed_step`` is the
+    last optimizer step that rank reported complete (its heartbeat), so the fault
+    hit the step in progress, ``completed_step + 1``; None, or -1 for a rank still
+    starting up, if unknown.
 ``ranks_stopped`` {gen, node, ranks}
     The agent of ``node`` stopped these ranks of generation ``gen``.
 ``generation`` {gen, reason}

@@ -4,7 +4,7 @@ The loss of a step is the data-parallel mean of its micro-batches' language-mode
 losses (same value on every rank, reduced in a fixed order, so two runs can be
 compared bitwise), reduced before the optimizer update. ``losses.jsonl``
 survives restarts: a resumed run appends, and the last record of a step wins
-(:func:`ckless_lightning.loss_log.read_losses`).
+(:func:`ckless_lightning.record.loss_log.read_losses`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from ckless_lightning.training.steps import is_step_end
+
 __all__ = ["LossHistoryCallback"]
 
 
@@ -26,7 +28,7 @@ class LossHistoryCallback(pl.Callback):
     optimizer update, and logs/records it after the update.
 
     The micro-batch loss is the module's ``last_lm_loss`` (set by ``training_step``;
-    :class:`~ckless_lightning.module.CausalLMModule` does), else the loss being
+    :class:`~ckless_lightning.training.module.CausalLMModule` does), else the loss being
     backpropagated. The reduction runs in ``on_before_optimizer_step``, inside
     the step and before the commit vote, so that nothing communicates between a
     rank's update and the end of its step (tier 4's snapshot relies on it, and a
@@ -60,7 +62,7 @@ class LossHistoryCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """After the update of a step (its last micro-batch): log and record; no communication."""
-        if (batch_idx + 1) % trainer.accumulate_grad_batches or self._step_loss is None:
+        if not is_step_end(trainer, batch_idx) or self._step_loss is None:
             return
         step_loss, self._step_loss = self._step_loss, None
         pl_module.log("train/loss", step_loss, on_step=True, prog_bar=True)

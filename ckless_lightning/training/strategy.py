@@ -3,9 +3,15 @@
 The strategy owns the (replicate, shard) DeviceMesh; the LightningModule's
 ``configure_model`` applies the model family's FSDP2 plan over it (Lightning's
 convention for ModelParallelStrategy). Disk checkpoints are sharded DCP
-checkpoints, saved and loaded by the parent class. The recovery tiers extend
-this class: it is the seam where process groups are re-formed and where
-in-memory state enters Lightning's restore path (``load_checkpoint``).
+checkpoints, saved and loaded by the parent class.
+
+The recovery tiers do not extend this class: the in-process recovery loop
+(``ckless_lightning.recovery``) sits above it and builds one strategy per
+generation, handing it what that generation needs: the
+:class:`~ckless_lightning.comm.Generation` (process groups on the job store),
+a step vote, what to do when this rank leaves the generation, and tier 4's
+:class:`InMemoryState` (the seam where state from memory enters Lightning's
+restore path, ``load_checkpoint``). The strategy imports none of recovery.
 """
 
 from __future__ import annotations
@@ -13,27 +19,37 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.distributed import Store
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ckless_lightning._lightning_compat import init_distributed, install_device_mesh
-from ckless_lightning.comm import init_generation_process_group
-from ckless_lightning.comm.commit import StepCommit
-from ckless_lightning.comm.sever import fail_fast
-from ckless_lightning.recovery.memory import MEMORY_CHECKPOINT, MemoryRestore
+from ckless_lightning.comm import Generation, init_generation_process_group
+from ckless_lightning.models import build_mesh, resolve_mesh
 from ckless_lightning.replication.state import param_groups_of
+from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
-__all__ = ["MESH_DIM_NAMES", "CheckpointlessStrategy"]
+__all__ = ["MEMORY_CHECKPOINT", "CheckpointlessStrategy", "InMemoryState"]
 
-MESH_DIM_NAMES = ("replicate", "shard")
+# ``fit(ckpt_path=MEMORY_CHECKPOINT)``: restore the committed step from memory (tier 4), not from a file.
+MEMORY_CHECKPOINT = "ckless-memory://committed-step"
+
+
+class InMemoryState(Protocol):
+    """Tier 4's state in memory, as the strategy uses it (``recovery.MemoryRestore`` implements it)."""
+
+    def attach(self) -> None:
+        """Once per generation, after the default process group and the mesh exist."""
+
+    def restore(self, module: torch.nn.Module, optimizers: list[Optimizer]) -> dict[str, Any] | Path:
+        """Collectively: the committed step's checkpoint dict (tensors already in place), or the disk
+        checkpoint to load instead."""
+        ...
 
 
 class CheckpointlessStrategy(ModelParallelStrategy):
@@ -44,16 +60,15 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         shard: ranks each replica is sharded over; ``-1`` derives it from the world size.
         process_group_backend: ``None`` picks NCCL on CUDA and gloo on CPU.
         timeout: collective timeout of the default process group.
-        job_store: the agent's store (tier 1): the process group is formed on it under
-            the ``generation``'s prefix instead of through rank 0's rendezvous.
-        generation: the job's generation this process belongs to.
+        generation: tier 1+: the job generation this rank is in; the process group is formed on
+            the job store under the generation's prefix instead of through rank 0's rendezvous,
+            and the mesh and timeout come from it (``replicate``/``shard``/``timeout`` are ignored).
         on_comm_phase: called with "comm_init_start" / "comm_init_done" (the timeline).
-        commit: tier 3+: the generation's step-commit vote, taken after the gradients are
-            complete and clipped, before the update (see :meth:`optimizer_step`).
-        keep_ports: tier 3+: on an exception, every TCP connection of this process except
-            those to these ports (the job store's) is cut, so peers fail fast.
-        memory: tier 4: serves ``fit(ckpt_path=MEMORY_CHECKPOINT)`` from memory
-            (:class:`~ckless_lightning.recovery.memory.MemoryRestore`).
+        step_vote: tier 3+: called with the step in progress after its gradients are complete and
+            clipped, before the update (see :meth:`optimizer_step`); raises to abandon the step.
+        on_leave: tier 3+: called from :meth:`on_exception` while the process group still exists,
+            so that this rank's peers notice it leaving at once.
+        memory: tier 4: serves ``fit(ckpt_path=MEMORY_CHECKPOINT)`` from memory.
     """
 
     def __init__(
@@ -63,13 +78,14 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         *,
-        job_store: Store | None = None,
-        generation: int = 0,
+        generation: Generation | None = None,
         on_comm_phase: Callable[[str], None] | None = None,
-        commit: StepCommit | None = None,
-        keep_ports: frozenset[int] | None = None,
-        memory: MemoryRestore | None = None,
+        step_vote: Callable[[int], None] | None = None,
+        on_leave: Callable[[], None] | None = None,
+        memory: InMemoryState | None = None,
     ) -> None:
+        if generation is not None:
+            (replicate, shard), timeout = generation.mesh, timedelta(seconds=generation.pg_timeout_s)
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size="auto",
@@ -81,19 +97,17 @@ class CheckpointlessStrategy(ModelParallelStrategy):
             raise ValueError(f"replicate must be >= 1 and shard >= 1 or -1, got ({replicate}, {shard})")
         self._replicate = replicate
         self._shard = shard
-        self._job_store = job_store
         self._generation = generation
         self._on_comm_phase = on_comm_phase or (lambda phase: None)
-        self._commit = commit
-        self._keep_ports = keep_ports
+        self._step_vote = step_vote
+        self._on_leave = on_leave
         self._memory = memory
         self._light = False
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
         """(replicate, shard) as resolved against the world size."""
-        shard = self.world_size // self._replicate if self._shard == -1 else self._shard
-        return (self._replicate, shard)
+        return resolve_mesh(self.world_size, self._replicate, self._shard)
 
     @property
     def data_parallel_rank(self) -> int:
@@ -112,30 +126,22 @@ class CheckpointlessStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._on_comm_phase("comm_init_start")
-        if self._job_store is not None:
-            assert self.cluster_environment is not None
+        if self._generation is not None:
+            gen = self._generation
             init_generation_process_group(
-                self._job_store,
+                gen.store,
                 backend=self._process_group_backend
                 or ("nccl" if self.root_device.type == "cuda" else "gloo"),
-                rank=self.cluster_environment.global_rank(),
-                world_size=self.cluster_environment.world_size(),
-                generation=self._generation,
-                timeout_s=self._timeout.total_seconds() if self._timeout else 600.0,
+                rank=gen.rank,
+                world_size=gen.world_size,
+                generation=gen.number,
+                timeout_s=gen.pg_timeout_s,
             )
         init_distributed(self)  # Lightning's own init is skipped when the group exists already
         self._on_comm_phase("comm_init_done")
-        replicate, shard = self.mesh_shape
-        if replicate * shard != self.world_size:
-            raise ValueError(
-                f"mesh replicate={replicate} x shard={shard} does not match "
-                f"the world size {self.world_size}; "
-                "set cluster.replicate / cluster.shard so that their product is the world size"
-            )
-        install_device_mesh(self, build_mesh(self.root_device, (replicate, shard)))
-        if self._memory is not None and self._memory.snapshots.mode == "buddy":
-            # Buddy copies travel in host memory on their own gloo group, beside the step's collectives.
-            self._memory.snapshots.group = torch.distributed.new_group(backend="gloo")
+        install_device_mesh(self, build_mesh(self.root_device, self.mesh_shape))
+        if self._memory is not None:
+            self._memory.attach()
 
     @contextmanager
     def light_state(self) -> Iterator[None]:
@@ -164,7 +170,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         """Tier 4's ``MEMORY_CHECKPOINT`` is served from memory; anything else is a DCP checkpoint."""
         if checkpoint_path == MEMORY_CHECKPOINT:
             if self._memory is None:
-                raise ValueError(f"{MEMORY_CHECKPOINT} needs tier 4 (a MemoryRestore)")
+                raise ValueError(f"{MEMORY_CHECKPOINT} needs tier 4: build the strategy with memory=...")
             assert self.lightning_module is not None
             restored = self._memory.restore(self.lightning_module, list(self.optimizers))
             if isinstance(restored, dict):
@@ -190,22 +196,16 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         optimizer that evaluates the closure once (every first-order optimizer).
         """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        step = (trainer.global_step + 1) if trainer is not None else 0
-        commit = self._commit
-        vote = (lambda: commit.vote(step)) if commit is not None else (lambda: None)
+        step_in_progress = (trainer.global_step + 1) if trainer is not None else 0
+        step_vote = self._step_vote
+        vote = (lambda: step_vote(step_in_progress)) if step_vote is not None else (lambda: None)
         return super().optimizer_step(_CommitThenStep(optimizer, vote), closure, model, **kwargs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Tier 3+: cut this rank's connections so that every peer's pending collective fails now.
-
-        Tier 4 first lets a buddy exchange in flight finish (peers' gloo threads
-        progress it even while they wait in a collective), so its copies stay usable.
-        """
-        if self._memory is not None:
-            self._memory.snapshots.settle(timeout_s=5.0)
-        if self._keep_ports is not None:
-            fail_fast(set(self._keep_ports))
+        """Tier 3+: this rank leaves the generation (``on_leave``: peers' pending collectives fail now)."""
+        if self._on_leave is not None:
+            self._on_leave()
 
 
 class _CommitThenStep:
@@ -226,8 +226,3 @@ class _CommitThenStep:
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad... of the real one
         return getattr(self._optimizer, name)
-
-
-def build_mesh(device: torch.device, shape: tuple[int, int]) -> DeviceMesh:
-    """The job's 2-D ("replicate", "shard") mesh over the default process group."""
-    return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)

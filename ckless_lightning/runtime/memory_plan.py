@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckless_lightning.config import JobConfig
+from ckless_lightning.runtime.config import JobConfig
 
 __all__ = [
     "HEADROOM",

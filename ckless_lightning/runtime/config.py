@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckless_lightning.data.config import DataConfig
-from ckless_lightning.faults import FaultConfig
+from ckless_lightning.runtime.faults import FaultConfig, FaultSpec, plan_faults
 
 __all__ = [
     "AgentConfig",
@@ -73,22 +73,15 @@ class ClusterConfig:
             )
         if self.accelerator not in _ACCELERATORS:
             raise ValueError(f"cluster.accelerator must be one of {_ACCELERATORS}, got {self.accelerator!r}")
-        world = self.world_size
-        if self.shard == -1:
-            if world % self.replicate:
-                raise ValueError(
-                    f"cluster.replicate={self.replicate} does not divide the world size {world} "
-                    f"(cluster.nnodes={self.nnodes} x cluster.nproc_per_node={self.nproc_per_node}); "
-                    "choose a replicate degree that divides it"
-                )
-            self.shard = world // self.replicate
-        if self.shard < 1 or self.replicate * self.shard != world:
-            raise ValueError(
-                f"mesh cluster.replicate={self.replicate} x cluster.shard={self.shard} = "
-                f"{self.replicate * self.shard} does not match the world size {world} "
-                f"(cluster.nnodes={self.nnodes} x cluster.nproc_per_node={self.nproc_per_node}); "
-                "set cluster.shard=-1 to derive it, or change the degrees so their product is the world size"
-            )
+        from ckless_lightning.models.mesh import resolve_mesh  # torch: imported when a config is built
+
+        self.replicate, self.shard = resolve_mesh(
+            self.world_size,
+            self.replicate,
+            self.shard,
+            key="cluster.",
+            world=f"cluster.nnodes={self.nnodes} x cluster.nproc_per_node={self.nproc_per_node}",
+        )
 
     @property
     def world_size(self) -> int:
@@ -399,6 +392,16 @@ class JobConfig:
     @property
     def accumulate_grad_batches(self) -> int:
         return self.trainer.global_batch_size // (self.data.micro_batch_size * self.cluster.world_size)
+
+    def fault_specs(self) -> list[FaultSpec]:
+        """The job's fault schedule (``fault:``), the same on every rank and agent."""
+        return plan_faults(
+            self.fault,
+            world_size=self.cluster.world_size,
+            nnodes=self.cluster.nnodes,
+            nproc_per_node=self.cluster.nproc_per_node,
+            max_steps=self.trainer.max_steps,
+        )
 
 
 def build_section(cls: type, values: dict[str, Any] | None, key: str) -> Any:

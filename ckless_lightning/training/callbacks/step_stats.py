@@ -14,6 +14,8 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from ckless_lightning.training.steps import is_step_end
+
 __all__ = ["StepStatsCallback", "peak_rss_bytes"]
 
 
@@ -42,7 +44,7 @@ class StepStatsCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches or self._t0 is None:
+        if not is_step_end(trainer, batch_idx) or self._t0 is None:
             return
         self.step_seconds.append(time.perf_counter() - self._t0)
         ids = batch["input_ids"]

@@ -277,7 +277,7 @@ def plan_faults(
 
 
 def injected_event(spec: FaultSpec, injected_by: str) -> dict[str, object]:
-    """The fields of the ``fault_injected`` event for ``spec`` (see ckless_lightning.events)."""
+    """The fields of the ``fault_injected`` event for ``spec`` (see ckless_lightning.record.events)."""
     return {
         "rank": spec.rank,
         "step": spec.step,

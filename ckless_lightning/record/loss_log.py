@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckless_lightning.events import read_jsonl
+from ckless_lightning.record.events import read_jsonl
 
 __all__ = ["read_loss_records", "read_losses"]
 

@@ -14,7 +14,8 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from ckless_lightning.events import EventLog
+from ckless_lightning.record.events import EventLog
+from ckless_lightning.training.steps import is_step_end
 
 __all__ = ["TimelineCallback"]
 
@@ -50,5 +51,5 @@ class TimelineCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        if is_step_end(trainer, batch_idx):
             self._phase("first_step_done", step=trainer.global_step)

@@ -1,7 +1,9 @@
-"""Build the Lightning objects of one rank from a JobConfig, and run ``fit``.
+"""Train one rank of a job: build its Lightning objects from a JobConfig and run them.
 
 This is what every rank process runs (``ckless_lightning.rank``); users who
 build their own Trainer can call :func:`build_trainer` and friends directly.
+Tiers 0-2 run ``trainer.fit`` once; tiers 3-4 run it inside
+:class:`~ckless_lightning.recovery.InProcessRecovery`.
 """
 
 from __future__ import annotations
@@ -17,25 +19,29 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from ckless_lightning.callbacks import DataPositionCallback, LossHistoryCallback, StepStatsCallback
-from ckless_lightning.callbacks.fault_injection import FaultInjectionCallback
-from ckless_lightning.callbacks.heartbeat import HeartbeatCallback
-from ckless_lightning.callbacks.sample_log import SampleLogCallback
-from ckless_lightning.callbacks.timeline import TimelineCallback
-from ckless_lightning.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
-from ckless_lightning.comm import JobStore, connect_store
-from ckless_lightning.config import JobConfig
-from ckless_lightning.datamodule import TokenDataModule
-from ckless_lightning.events import EventLog
-from ckless_lightning.faults import FaultSpec, injected_event, plan_faults
-from ckless_lightning.module import CausalLMModule
-from ckless_lightning.plan import resolve_accelerator
-from ckless_lightning.rank import RankContext
-from ckless_lightning.recovery.loop import InProcessRecovery
-from ckless_lightning.replication import SnapshotStore
-from ckless_lightning.strategy import CheckpointlessStrategy
+from ckless_lightning.comm import Generation, JobStore
+from ckless_lightning.record.events import EventLog
+from ckless_lightning.recovery import InProcessRecovery
+from ckless_lightning.replication import SnapshotCopies
+from ckless_lightning.runtime.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
+from ckless_lightning.runtime.config import JobConfig
+from ckless_lightning.runtime.contract import RankContext
+from ckless_lightning.runtime.faults import injected_event
+from ckless_lightning.runtime.memory_plan import resolve_accelerator
+from ckless_lightning.training.callbacks import (
+    DataPositionCallback,
+    FaultInjectionCallback,
+    HeartbeatCallback,
+    LossHistoryCallback,
+    SampleLogCallback,
+    StepStatsCallback,
+    TimelineCallback,
+)
+from ckless_lightning.training.datamodule import TokenDataModule
+from ckless_lightning.training.module import CausalLMModule
+from ckless_lightning.training.strategy import CheckpointlessStrategy
 
-__all__ = ["build_datamodule", "build_module", "build_trainer", "fault_specs", "fit"]
+__all__ = ["build_datamodule", "build_module", "build_trainer", "train_rank"]
 
 
 def _loggers(run_dir: Path) -> list[Logger]:
@@ -60,7 +66,7 @@ def build_trainer(
     """A Trainer for ``job`` on this rank: our strategy, CSV (+ TensorBoard) logs, DCP checkpoints."""
     run_dir = Path(job.run_dir)
     # ``callbacks`` right after the data position: tier 4's snapshot must see the committed loader
-    # position and run before LossHistoryCallback's all-reduce (see ReplicationCallback).
+    # position and run before LossHistoryCallback's all-reduce (see SnapshotCallback).
     all_callbacks: list[pl.Callback] = [
         DataPositionCallback(),
         *(callbacks or []),
@@ -123,23 +129,12 @@ def build_datamodule(job: JobConfig, batch_cache: str | None = None) -> TokenDat
     )
 
 
-def fault_specs(job: JobConfig) -> list[FaultSpec]:
-    return plan_faults(
-        job.fault,
-        world_size=job.cluster.world_size,
-        nnodes=job.cluster.nnodes,
-        nproc_per_node=job.cluster.nproc_per_node,
-        max_steps=job.trainer.max_steps,
-    )
-
-
-def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
+def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer:
     """Train ``job`` on this rank, resuming per ``checkpoint.resume``; save the final step if asked.
 
-    ``context`` comes from the agent (heartbeats, generation, tier 1 store);
-    without one (torchrun, a notebook) the rank runs on Lightning's own init.
+    ``context`` is what the agent told this process (heartbeats, generation, job
+    store); under torchrun (no store) the rank runs on Lightning's own init.
     """
-    context = context or RankContext(rank=int(os.environ.get("RANK", "0")), generation=0, spawn_time=0.0)
     run_dir = Path(job.run_dir)
     events = EventLog(run_dir / "events.jsonl", source=f"rank{context.rank}")
 
@@ -154,7 +149,7 @@ def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
     pl.seed_everything(job.seed, workers=True, verbose=False)
     ckpt_path = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
 
-    specs = fault_specs(job)
+    specs = job.fault_specs()
 
     def fault_callback() -> FaultInjectionCallback:
         return FaultInjectionCallback(
@@ -169,9 +164,9 @@ def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
 
     datamodule = build_datamodule(job, context.batch_cache)
     if job.tier >= 3:
-        trainer = _fit_in_process(job, context, events, ckpt_path, datamodule, fault_callback)
+        trainer = _train_in_process(job, context, events, ckpt_path, datamodule, fault_callback)
     else:
-        trainer = _fit_once(job, context, events, ckpt_path, datamodule, fault_callback, phase)
+        trainer = _train_once(job, context, events, ckpt_path, datamodule, fault_callback, phase)
     if job.checkpoint.save_final:
         final = Path(job.checkpoint.dir) / checkpoint_name(trainer.global_step)
         if not is_complete_checkpoint(final):
@@ -179,7 +174,18 @@ def fit(job: JobConfig, context: RankContext | None = None) -> pl.Trainer:
     return trainer
 
 
-def _fit_once(
+def _generation(job: JobConfig, context: RankContext, store: JobStore) -> Generation:
+    return Generation(
+        store,
+        number=context.generation,
+        rank=context.rank,
+        world_size=job.cluster.world_size,
+        mesh=job.cluster.mesh_shape,
+        pg_timeout_s=job.comm.pg_timeout_s,
+    )
+
+
+def _train_once(
     job: JobConfig,
     context: RankContext,
     events: EventLog,
@@ -188,23 +194,20 @@ def _fit_once(
     fault_callback: Callable[[], FaultInjectionCallback],
     phase: Callable[..., None],
 ) -> pl.Trainer:
-    """Tiers 0-2: one ``fit``; a fault ends the process and the agent restarts every rank."""
+    """Tiers 0-2: one ``trainer.fit``; a fault ends the process and the agent restarts every rank."""
     callbacks: list[pl.Callback] = [
         TimelineCallback(events, rank=context.rank, generation=context.generation),
         fault_callback(),
     ]
-    job_store = None
-    if context.store_addr is not None and context.store_port is not None:
-        job_store = connect_store(context.store_addr, context.store_port, is_master=False)
-        callbacks.append(
-            HeartbeatCallback(JobStore(job_store), rank=context.rank, generation=context.generation)
-        )
+    store = None
+    if context.has_store:
+        store = JobStore.connect(context.store_addr, context.store_port)  # type: ignore[arg-type]
+        callbacks.append(HeartbeatCallback(store, rank=context.rank, generation=context.generation))
     strategy = CheckpointlessStrategy(
         replicate=job.cluster.replicate,
         shard=job.cluster.shard,
         timeout=timedelta(seconds=job.comm.pg_timeout_s),
-        job_store=job_store if job.comm.rootless else None,
-        generation=context.generation,
+        generation=_generation(job, context, store) if store is not None and job.comm.rootless else None,
         on_comm_phase=lambda name: phase(name, step=None),
     )
     trainer = build_trainer(job, callbacks=callbacks, strategy=strategy)
@@ -212,7 +215,7 @@ def _fit_once(
     return trainer
 
 
-def _fit_in_process(
+def _train_in_process(
     job: JobConfig,
     context: RankContext,
     events: EventLog,
@@ -221,39 +224,30 @@ def _fit_in_process(
     fault_callback: Callable[[], FaultInjectionCallback],
 ) -> pl.Trainer:
     """Tiers 3-4: ``fit`` inside :class:`InProcessRecovery`; faults are recovered in this process."""
-    if context.store_addr is None or context.store_port is None:
+    if not context.has_store:
         raise ValueError(
             f"tier={job.tier} recovers through the node agent's job store; start the job with launch.py "
             "(or set CKLESS_STORE_ADDR / CKLESS_STORE_PORT to a running agent's store)"
         )
-    store = JobStore(connect_store(context.store_addr, context.store_port, is_master=False))
+    store = JobStore.connect(context.store_addr, context.store_port)  # type: ignore[arg-type]
     cluster, replication = job.cluster, job.replication
     snapshots = None
     if job.tier == 4:
-        snapshots = SnapshotStore(
+        snapshots = SnapshotCopies(
             rank=context.rank,
             world_size=cluster.world_size,
-            mode=replication.resolved_source(cluster.replicate),
+            source=replication.resolved_source(cluster.replicate),
             every_n_steps=replication.every_n_steps,
             buddy_offset=replication.resolved_offset(cluster.nnodes, cluster.nproc_per_node),
             loop_capacity=int(replication.loop_capacity_mb * (1 << 20)),
         )
-    recovery_faults = fault_callback()
     recovery = InProcessRecovery(
-        store,
-        rank=context.rank,
-        world_size=job.cluster.world_size,
-        generation=context.generation,
-        replicate=job.cluster.replicate,
-        shard=job.cluster.shard,
+        _generation(job, context, store),
         checkpoint_dir=job.checkpoint.dir,
-        timeout_s=job.comm.pg_timeout_s,
         events=events,
-        on_recovery=recovery_faults.on_recovery,
+        faults=fault_callback(),
         snapshots=snapshots,
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
-        corrupt=recovery_faults.corrupt_transfer,
-        on_transfer=recovery_faults.on_transfer,
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(

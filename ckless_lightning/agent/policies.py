@@ -1,0 +1,394 @@
+"""What the node agent does about what it saw: one policy per tier family.
+
+Each pass of the agent's supervision loop (:class:`~ckless_lightning.agent.node_agent.NodeAgent`)
+takes one :class:`Observation` and hands it to its policy's :meth:`Policy.decide`, which reports
+what it detects (``fault_detected``), acts on single ranks where its tiers do, and returns a
+:class:`Decision` that the loop carries out:
+
+- :class:`RestartAll` (tiers 0-2): any fault ends the generation for the whole job: every agent
+  stops all its ranks and starts them all in the next generation, resuming from the last disk
+  checkpoint.
+- :class:`ReplaceFailed` (tiers 3-4): only a dead or hung rank is replaced (warm spare first) in
+  the job's current generation; the survivors recover in-process and move to the next generation
+  by themselves.
+
+Blame: a rank killed by a signal (not SIGABRT) first, then one that failed by itself, then one
+that aborted (SIGABRT: gloo failing in one of its threads), and last one that lost a peer
+(``ExitCode.PEER_FAILED``); for a hang, a stopped process (state T) first, then the rank silent
+longest. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ckless_lightning.agent.budget import RestartBudget
+from ckless_lightning.agent.processes import RankProcess
+from ckless_lightning.comm import Heartbeat, JobStore
+from ckless_lightning.record.events import EventLog
+from ckless_lightning.runtime.config import AgentConfig, JobConfig
+from ckless_lightning.runtime.contract import ExitCode
+
+__all__ = ["Action", "Decision", "Node", "Observation", "Policy", "ReplaceFailed", "RestartAll"]
+
+_SETTLE_S = 0.3  # after a first failure, collect the cascade before blaming one rank
+# Tiers 3-4: survivors stay alive, so there is little cascade to wait for; a replacement is urgent.
+_SETTLE_IN_PROCESS_S = 0.05
+_PEER_REPORT_S = 2.0  # how long to wait for the agent of a remote culprit to report it
+
+
+def _blame_class(code: int) -> int:
+    """Order of suspicion for a rank's exit code: 0 killed (not SIGABRT), 1 its own error, 2 SIGABRT,
+    3 lost a peer."""
+    if code == -signal.SIGABRT:
+        return 2
+    if code < 0:
+        return 0
+    return 3 if code == ExitCode.PEER_FAILED else 1
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (R, S, D, T, Z...); "?" where unavailable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "?"
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _how(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One supervision pass's look at the node and the job, read in this order; nothing acted on yet."""
+
+    gen: int  # the generation this node is in
+    now: float  # time.time() at the start of the pass
+    giveup: bool  # the job gave up (a reason is in the store)
+    current: int  # the job's generation in the store
+    codes: Mapping[int, int | None]  # local rank -> exit code; None: running; ``finished`` ranks: 0
+    beats: Mapping[int, Heartbeat]  # local rank -> its last heartbeat
+    stale: tuple[int, ...]  # running ranks silent past agent.startup_timeout / agent.hang_timeout
+    silent_nodes: tuple[tuple[int, int], ...]  # (node, its generation): agents silent past node_timeout
+
+    @property
+    def failed(self) -> list[int]:
+        """Local ranks that exited non-zero or were killed."""
+        return [rank for rank, code in self.codes.items() if code not in (None, 0)]
+
+    @property
+    def all_exited_ok(self) -> bool:
+        return all(code == 0 for code in self.codes.values())
+
+
+class Action(enum.Enum):
+    """What the supervision loop does after a pass."""
+
+    WATCH = "watch"  # nothing to do: keep the node running (reader, spares, outside faults), sleep
+    CONTINUE = "continue"  # the policy acted (replaced or killed ranks): observe again at once
+    DONE = "done"  # every local rank finished training: wait for the other nodes
+    NEXT_GENERATION = "next_generation"  # leave the generation: :meth:`Policy.move_on`
+    GIVE_UP = "give_up"  # stop for good: :meth:`Policy.give_up`, then exit with FAULT_BUDGET
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy's answer to one observation (also the answer of the wait for the other nodes)."""
+
+    action: Action
+    generation: int  # the generation the node is in now (ReplaceFailed follows a job that moved on)
+    target: int | None = None  # NEXT_GENERATION: the job already moved there; None: move on past a fault
+
+
+class Node(Protocol):
+    """What a policy uses of its node agent: the node's ranks and how to start and stop them."""
+
+    node: int
+    job: JobConfig
+    cfg: AgentConfig
+    events: EventLog
+    ranks: dict[int, RankProcess]  # local rank -> its current process
+    local_ranks: list[int]
+    finished: set[int]  # ranks that trained to the end but did not exit, stopped by the agent
+
+    def start_ranks(self, gen: int) -> None: ...
+
+    def start_rank(self, rank: int, gen: int) -> RankProcess: ...
+
+    def stop_ranks(self, *, graceful: bool, generation: int | None = None) -> None: ...
+
+    def refill_spares_later(self) -> None: ...
+
+
+class Policy(ABC):
+    """Decides what the supervision loop does after each pass; one instance for the whole job."""
+
+    def __init__(self, agent: Node, store: JobStore, budget: RestartBudget) -> None:
+        self.agent = agent
+        self.store = store
+        self.budget = budget
+        self.lost_nodes: set[int] = set()  # reported once each
+
+    @abstractmethod
+    def decide(self, obs: Observation) -> Decision:
+        """Report what ``obs`` shows, act on single ranks where the tier does, and say what comes next."""
+
+    @abstractmethod
+    def move_on(self, gen: int, target: int | None) -> int | None:
+        """Carry out NEXT_GENERATION from ``gen``; returns the generation the node is in (None: give up)."""
+
+    @abstractmethod
+    def give_up(self, gen: int) -> None:
+        """Carry out GIVE_UP in ``gen``, before the agent emits ``giveup`` and exits."""
+
+    def _report_hang(self, gen: int, stale: list[int], beats: Mapping[int, Heartbeat]) -> int:
+        """Kill the hung rank and say so; returns it.
+
+        When a rank hangs, its peers block in the next collective and go stale
+        too, possibly before it (they beat earlier). Blame a stopped process
+        (state T) first, stale or not, else the stale rank that beat least
+        recently; a rank that hangs while running cannot be told from peers
+        blocked on it, which matters for the report only.
+        """
+        ranks, cfg, node = self.agent.ranks, self.agent.cfg, self.agent.node
+        stopped = [r for r, p in ranks.items() if p.poll() is None and _process_state(p.pid) == "T"]
+        candidates = sorted(set(stale) | set(stopped))
+        rank = min(candidates, key=lambda r: (r not in stopped, beats[r].time, r))
+        beat = beats[rank]
+        ranks[rank].kill()
+        self.agent.events.emit(
+            "fault_detected",
+            by=f"agent{node}",
+            rank=rank,
+            reason="hang",
+            exit_code=None,
+            completed_step=beat.completed_step,
+            last_beat=beat.time,
+            limit_s=cfg.startup_timeout if beat.completed_step < 0 else cfg.hang_timeout,
+            stale_ranks=sorted(stale),
+            gen=gen,
+        )
+        print(f"[agent{node}] rank {rank} hung after step {beat.completed_step}; killed it", file=sys.stderr)
+        return rank
+
+    def _report_lost_node(self, gen: int, obs: Observation) -> bool:
+        """Report each newly silent node; True at the first one that was part of generation ``gen``."""
+        cluster = self.agent.job.cluster
+        for node, node_gen in obs.silent_nodes:
+            if node in self.lost_nodes:
+                continue
+            self.lost_nodes.add(node)
+            self.agent.events.emit(
+                "fault_detected",
+                by=f"agent{self.agent.node}",
+                rank=node * cluster.nproc_per_node,
+                reason="node_lost",
+                node=node,
+                exit_code=None,
+                completed_step=None,
+                gen=gen,
+            )
+            if node_gen == gen:
+                return True
+        return False
+
+
+class RestartAll(Policy):
+    """Tiers 0-2: on any fault, stop every local rank and start them all in the next generation."""
+
+    def decide(self, obs: Observation) -> Decision:
+        gen = obs.gen
+        if obs.giveup:
+            return Decision(Action.GIVE_UP, gen)
+        if obs.current > gen:
+            return Decision(Action.NEXT_GENERATION, gen, target=obs.current)
+        if obs.failed:
+            return self._on_rank_failure(gen)
+        if obs.all_exited_ok:
+            return Decision(Action.DONE, gen)
+        if obs.stale:
+            self._report_hang(gen, list(obs.stale), obs.beats)
+            return Decision(Action.NEXT_GENERATION, gen)
+        if self._report_lost_node(gen, obs):
+            return Decision(Action.NEXT_GENERATION, gen)
+        return Decision(Action.WATCH, gen)
+
+    def move_on(self, gen: int, target: int | None) -> int | None:
+        """Stop every local rank (``ranks_stopped``), move past a fault if ``target`` is None, start all."""
+        self.agent.stop_ranks(graceful=False, generation=gen)
+        if target is None:
+            target = self.budget.advance(gen)
+            if target is None:
+                return None
+        self.agent.start_ranks(target)
+        self.agent.refill_spares_later()
+        return target
+
+    def give_up(self, gen: int) -> None:
+        """Stop every local rank (``ranks_stopped``)."""
+        self.agent.stop_ranks(graceful=False, generation=gen)
+
+    def _on_rank_failure(self, gen: int) -> Decision:
+        """Blame one rank: killed by a signal, else failed by itself, before one that lost a peer.
+
+        A rank whose peer vanished exits with ExitCode.PEER_FAILED, or aborts
+        (SIGABRT) when gloo fails in one of its threads, so those come last.
+        If every local failure is a lost peer, the culprit is on another node:
+        give its agent a moment to report it and move the job on.
+        """
+        time.sleep(_SETTLE_S)
+        ranks, node = self.agent.ranks, self.agent.node
+        failed = {rank: code for rank, proc in ranks.items() if (code := proc.poll()) not in (None, 0)}
+        rank = min(failed, key=lambda r: (_blame_class(failed[r]), r))
+        code = failed[rank]
+        if _blame_class(code) >= 2 and self.agent.job.cluster.nnodes > 1:
+            deadline = time.monotonic() + _PEER_REPORT_S
+            while time.monotonic() < deadline:
+                if (current := self.store.generation()) > gen:
+                    return Decision(Action.NEXT_GENERATION, gen, target=current)
+                time.sleep(self.agent.cfg.monitor_interval)
+        completed = self.store.rank_heartbeats([rank])[rank].completed_step
+        self.agent.events.emit(
+            "fault_detected",
+            by=f"agent{node}",
+            rank=rank,
+            reason="exit" if code != ExitCode.PEER_FAILED else "peer_lost",
+            exit_code=code,
+            signal=signal.Signals(-code).name if code < 0 else None,
+            failed_ranks=sorted(failed),
+            completed_step=completed,
+            gen=gen,
+        )
+        tail = ranks[rank].log_tail(15)
+        print(f"[agent{node}] rank {rank} {_how(code)}; restarting. Last lines of its log:", file=sys.stderr)
+        print(tail, file=sys.stderr)
+        return Decision(Action.NEXT_GENERATION, gen)
+
+
+class ReplaceFailed(Policy):
+    """Tiers 3-4: replace only failed or hung ranks (warm spare first) in the job's current generation.
+
+    A rank that fails inside its own code recovers in-process and moves the job on itself;
+    a dead or hung rank is replaced, after moving the job on if nobody has yet. Survivors
+    follow the job to its next generation by themselves; so does this node (no restart).
+    """
+
+    def decide(self, obs: Observation) -> Decision:
+        gen = obs.gen
+        if obs.giveup:
+            return Decision(Action.GIVE_UP, gen)
+        if obs.current > gen:
+            if self.budget.spent_by(obs.current):
+                return Decision(Action.GIVE_UP, gen)
+            gen = obs.current
+        if obs.failed:
+            time.sleep(_SETTLE_IN_PROCESS_S)  # a peer aborting with the dead one shows itself
+            joined = self._replace_failed(gen)
+            if joined is None:
+                return Decision(Action.GIVE_UP, gen)
+            self.agent.refill_spares_later()
+            return Decision(Action.CONTINUE, joined)
+        if obs.all_exited_ok:
+            return Decision(Action.DONE, gen)
+        stale = self._stop_finished(obs)
+        if stale:
+            hung = self._report_hang(gen, stale, obs.beats)
+            self.agent.ranks[hung].proc.wait()  # SIGKILLed: replaced on the next pass
+            return Decision(Action.CONTINUE, gen)
+        if self._report_lost_node(gen, obs):
+            return Decision(Action.NEXT_GENERATION, gen)
+        return Decision(Action.WATCH, gen)
+
+    def move_on(self, gen: int, target: int | None) -> int | None:
+        """A lost node (``target`` None): move the job past ``gen``; the survivors follow by themselves.
+        The job moved to ``target`` after this node's ranks finished (another node failed): they
+        rejoin it, resuming from disk."""
+        if target is None:
+            return self.budget.advance(gen)
+        self.agent.stop_ranks(graceful=False)
+        self.agent.start_ranks(target)
+        return target
+
+    def give_up(self, gen: int) -> None:
+        """Nothing: the ranks are stopped, without ``ranks_stopped``, when the agent ends."""
+
+    def _stop_finished(self, obs: Observation) -> list[int]:
+        """Stop the stale ranks that trained to the end but did not exit (done, not hung); the rest."""
+        stuck = [r for r in obs.stale if obs.beats[r].completed_step >= self.agent.job.trainer.max_steps]
+        for rank in stuck:
+            print(
+                f"[agent{self.agent.node}] rank {rank} finished training but did not exit; killed it",
+                file=sys.stderr,
+            )
+            self.agent.ranks[rank].stop(0)
+            self.agent.finished.add(rank)
+        return [r for r in obs.stale if r not in stuck]
+
+    def _replace_failed(self, gen: int) -> int | None:
+        """Report and replace each failed rank; returns the generation they joined (None: give up).
+
+        A rank whose process belonged to an older generation than the current one
+        died of a fault the job has already moved past (survivors noticed first):
+        no new generation for it. Otherwise the job moves on once, here.
+        """
+        agent = self.agent
+        failed = {
+            rank: code
+            for rank, proc in agent.ranks.items()
+            if (code := proc.poll()) not in (None, 0) and rank not in agent.finished
+        }
+        self._restart_hang_clocks()
+        current = max(gen, self.store.generation())
+        member = {rank: self.store.member(rank) for rank in failed}
+        if any(member[rank] >= current for rank in failed):
+            next_gen = self.budget.advance(current)
+            if next_gen is None:
+                return None
+            current = next_gen
+        for rank in sorted(failed, key=lambda r: (_blame_class(failed[r]), r)):
+            code = failed[rank]
+            agent.events.emit(
+                "fault_detected",
+                by=f"agent{agent.node}",
+                rank=rank,
+                reason="exit",
+                exit_code=code,
+                signal=signal.Signals(-code).name if code < 0 else None,
+                failed_ranks=sorted(failed),
+                completed_step=self.store.rank_heartbeats([rank])[rank].completed_step,
+                gen=member[rank],  # the generation the dead process was in
+            )
+            print(
+                f"[agent{agent.node}] rank {rank} {_how(code)}; replacing it in generation {current}. "
+                f"Last lines of its log:\n{agent.ranks[rank].log_tail(15)}",
+                file=sys.stderr,
+            )
+            agent.ranks[rank].stop(0)
+            proc = agent.start_rank(rank, current)
+            agent.events.emit(
+                "ranks_started", gen=current, node=agent.node, ranks=[rank], pids=[proc.pid], warm=[proc.warm]
+            )
+        return current
+
+    def _restart_hang_clocks(self) -> None:
+        """A recovery begins: give every live local rank a full ``hang_timeout`` from now.
+
+        Survivors blocked on a failed peer stop beating until they notice it
+        (milliseconds to seconds); without this they could be taken for hung.
+        """
+        beats = self.store.rank_heartbeats(self.agent.local_ranks)
+        now = time.time()
+        for rank, proc in self.agent.ranks.items():
+            if proc.poll() is None:
+                beat = beats[rank]
+                self.store.set_rank_heartbeat(rank, Heartbeat(beat.gen, beat.completed_step, now))

@@ -1,0 +1,44 @@
+"""One generation of the job as one rank sees it: the bundle every per-generation object is built from.
+
+A fault ends a generation; the next one has a new number and new process
+groups, the rest stays. The strategy (process-group formation), the step
+commit and tier 4's memory restore each read what they need from one
+:class:`Generation` instead of having the same values copied through their
+constructors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ckless_lightning.comm.store import JobStore
+
+__all__ = ["Generation"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Generation ``number`` of the job, for ``rank`` of ``world_size``.
+
+    Args:
+        store: the job store (node 0's agent hosts it).
+        number: the generation; its process groups live under its own store prefix.
+        rank, world_size: this rank and the job's world size.
+        mesh: the resolved (replicate, shard) DeviceMesh shape.
+        pg_timeout_s: collective timeout of the generation's process groups.
+    """
+
+    store: JobStore
+    number: int
+    rank: int
+    world_size: int
+    mesh: tuple[int, int]
+    pg_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        assert self.mesh[0] * self.mesh[1] == self.world_size, (self.mesh, self.world_size)
+        assert 0 <= self.rank < self.world_size, (self.rank, self.world_size)
+
+    def next(self, number: int) -> Generation:
+        """The same rank in generation ``number``."""
+        return replace(self, number=number)
