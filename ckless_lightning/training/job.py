@@ -9,7 +9,7 @@ Tiers 0-2 run ``trainer.fit`` once; tiers 3-4 run it inside
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from ckless_lightning.replication import SnapshotCopies
 from ckless_lightning.runtime.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import RankContext
-from ckless_lightning.runtime.faults import injected_event
+from ckless_lightning.runtime.faults import FaultSpec, injected_event
 from ckless_lightning.runtime.memory_plan import resolve_accelerator
 from ckless_lightning.training.callbacks import (
     DataPositionCallback,
@@ -129,44 +129,65 @@ def build_datamodule(job: JobConfig, batch_cache: str | None = None) -> TokenDat
     )
 
 
+@dataclass(frozen=True)
+class _RankRun:
+    """What both ways of training one rank need, built once by :func:`train_rank`."""
+
+    job: JobConfig
+    context: RankContext
+    events: EventLog
+    ckpt_path: Path | None  # where generation 0 starts (checkpoint.resume)
+    datamodule: TokenDataModule
+    specs: list[FaultSpec]
+
+    def phase(self, name: str, **fields: object) -> None:
+        """A ``rank_phase`` event of this rank in the generation it started in."""
+        ctx = self.context
+        self.events.emit("rank_phase", rank=ctx.rank, gen=ctx.generation, phase=name, **fields)
+
+    def fault_callback(self) -> FaultInjectionCallback:
+        """A fresh fault injector for this rank (one per Trainer)."""
+        ctx = self.context
+        return FaultInjectionCallback(
+            self.specs,
+            rank=ctx.rank,
+            marker_dir=Path(self.job.run_dir) / "faults",
+            on_inject=lambda spec: self.events.emit(
+                "fault_injected", **injected_event(spec, "inside"), gen=ctx.generation
+            ),
+            node_agent_pid=ctx.agent_pid,
+        )
+
+
 def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer:
     """Train ``job`` on this rank, resuming per ``checkpoint.resume``; save the final step if asked.
 
     ``context`` is what the agent told this process (heartbeats, generation, job
     store); under torchrun (no store) the rank runs on Lightning's own init.
     """
-    run_dir = Path(job.run_dir)
-    events = EventLog(run_dir / "events.jsonl", source=f"rank{context.rank}")
-
-    def phase(name: str, **fields: object) -> None:
-        events.emit("rank_phase", rank=context.rank, gen=context.generation, phase=name, **fields)
-
+    events = EventLog(Path(job.run_dir) / "events.jsonl", source=f"rank{context.rank}")
     if context.spawn_time:
-        phase("process_start", step=None, t=context.spawn_time)
-    phase("imports_done", step=None)
+        events.emit(
+            "rank_phase",
+            rank=context.rank,
+            gen=context.generation,
+            phase="process_start",
+            step=None,
+            t=context.spawn_time,
+        )
+    events.emit("rank_phase", rank=context.rank, gen=context.generation, phase="imports_done", step=None)
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.cluster.nproc_per_node))
     pl.seed_everything(job.seed, workers=True, verbose=False)
-    ckpt_path = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
-
-    specs = job.fault_specs()
-
-    def fault_callback() -> FaultInjectionCallback:
-        return FaultInjectionCallback(
-            specs,
-            rank=context.rank,
-            marker_dir=run_dir / "faults",
-            on_inject=lambda spec: events.emit(
-                "fault_injected", **injected_event(spec, "inside"), gen=context.generation
-            ),
-            node_agent_pid=context.agent_pid,
-        )
-
-    datamodule = build_datamodule(job, context.batch_cache)
-    if job.tier >= 3:
-        trainer = _train_in_process(job, context, events, ckpt_path, datamodule, fault_callback)
-    else:
-        trainer = _train_once(job, context, events, ckpt_path, datamodule, fault_callback, phase)
+    run = _RankRun(
+        job,
+        context,
+        events,
+        resolve_resume(job.checkpoint.resume, job.checkpoint.dir),
+        build_datamodule(job, context.batch_cache),
+        job.fault_specs(),
+    )
+    trainer = _train_in_process(run) if job.tier >= 3 else _train_once(run)
     if job.checkpoint.save_final:
         final = Path(job.checkpoint.dir) / checkpoint_name(trainer.global_step)
         if not is_complete_checkpoint(final):
@@ -185,19 +206,12 @@ def _generation(job: JobConfig, context: RankContext, store: JobStore) -> Genera
     )
 
 
-def _train_once(
-    job: JobConfig,
-    context: RankContext,
-    events: EventLog,
-    ckpt_path: str | None,
-    datamodule: TokenDataModule,
-    fault_callback: Callable[[], FaultInjectionCallback],
-    phase: Callable[..., None],
-) -> pl.Trainer:
+def _train_once(run: _RankRun) -> pl.Trainer:
     """Tiers 0-2: one ``trainer.fit``; a fault ends the process and the agent restarts every rank."""
+    job, context = run.job, run.context
     callbacks: list[pl.Callback] = [
-        TimelineCallback(events, rank=context.rank, generation=context.generation),
-        fault_callback(),
+        TimelineCallback(run.events, rank=context.rank, generation=context.generation),
+        run.fault_callback(),
     ]
     store = None
     if context.has_store:
@@ -208,22 +222,16 @@ def _train_once(
         shard=job.cluster.shard,
         timeout=timedelta(seconds=job.comm.pg_timeout_s),
         generation=_generation(job, context, store) if store is not None and job.comm.rootless else None,
-        on_comm_phase=lambda name: phase(name, step=None),
+        on_comm_phase=lambda name: run.phase(name, step=None),
     )
     trainer = build_trainer(job, callbacks=callbacks, strategy=strategy)
-    trainer.fit(build_module(job), datamodule=datamodule, ckpt_path=ckpt_path)
+    trainer.fit(build_module(job), datamodule=run.datamodule, ckpt_path=run.ckpt_path)
     return trainer
 
 
-def _train_in_process(
-    job: JobConfig,
-    context: RankContext,
-    events: EventLog,
-    ckpt_path: str | None,
-    datamodule: TokenDataModule,
-    fault_callback: Callable[[], FaultInjectionCallback],
-) -> pl.Trainer:
+def _train_in_process(run: _RankRun) -> pl.Trainer:
     """Tiers 3-4: ``fit`` inside :class:`InProcessRecovery`; faults are recovered in this process."""
+    job, context, events = run.job, run.context, run.events
     if not context.has_store:
         raise ValueError(
             f"tier={job.tier} recovers through the node agent's job store; start the job with launch.py "
@@ -245,17 +253,17 @@ def _train_in_process(
         _generation(job, context, store),
         checkpoint_dir=job.checkpoint.dir,
         events=events,
-        faults=fault_callback(),
+        faults=run.fault_callback(),
         snapshots=snapshots,
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(
-            job, callbacks=[*callbacks, fault_callback()], strategy=strategy
+            job, callbacks=[*callbacks, run.fault_callback()], strategy=strategy
         ),
         lambda: build_module(job),
-        datamodule=datamodule,
-        ckpt_path=ckpt_path,
+        datamodule=run.datamodule,
+        ckpt_path=run.ckpt_path,
     )
     recovery.finish()
     if recovery.votes:
