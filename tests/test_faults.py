@@ -278,9 +278,11 @@ def _run(spec: FaultSpec, marker_dir: Path, accumulate: int = 1) -> tuple[TinyMo
 
 
 # "commit" (after the vote) needs CheckpointlessStrategy, which runs the closure before the real
-# optimizer.step(); "recovery" and "transfer" need the in-process loop: covered end to end
-# (test_tier3.py, test_tier4.py).
-@pytest.mark.parametrize("phase", [p for p in PHASES if p not in ("commit", "recovery", "transfer")])
+# optimizer.step(); "recovery", "comm_init" and "transfer" need the in-process loop: covered end to
+# end (test_tier3.py, test_tier4.py).
+@pytest.mark.parametrize(
+    "phase", [p for p in PHASES if p not in ("commit", "recovery", "comm_init", "transfer")]
+)
 def test_exception_fires_in_phase_once(tmp_path: Path, phase: str) -> None:
     spec = FaultSpec(index=0, fault_type="exception", rank=0, step=3, phase=phase, injected_by="inside")
     module, trainer, injected = _run(spec, tmp_path)

@@ -351,3 +351,52 @@ def test_transfer_bytes_round_trip_and_corruption():
     assert plain == [None, {**counters, "rank": 0}, None, {**counters, "rank": 2}]
     assert [r["empty"] for r in results] == [None, None, None, b""]
     assert [r["corrupt"] for r in results] == [(Transfer(0, 3),)] * 4
+
+
+def test_buddy_rank_that_raised_rolls_back_to_its_own_copy():
+    """A live process whose state is untrusted (it raised mid-update) still has complete own copies:
+    with its buddy lost too, the job resumes from those, not from disk (CI, mixtral tier 4)."""
+    reports = {r: RankReport(r, 6, frozenset({5, 6}), {(r - 1) % 4: frozenset({5, 6})}) for r in range(4)}
+    reports[2] = RankReport(2, None, frozenset({4, 5}), {1: frozenset({4, 5})})  # raised in step 6's update
+    reports[3] = RankReport(3, None)  # its buddy, replaced
+    plan = buddy_sources(reports, buddy_of=_buddy())
+    assert plan.step == 5
+    assert plan.transfers == (Transfer(0, 3),)
+    assert plan.lost == (3,) and plan.rollback == frozenset({0, 1, 2})
+
+
+def test_buddy_untrusted_buddy_still_serves_its_held_copy():
+    reports = {r: RankReport(r, 7, frozenset({7}), {(r - 1) % 4: frozenset({7})}) for r in range(4)}
+    reports[1] = RankReport(1, None)  # replaced
+    reports[2] = RankReport(2, None, frozenset({7}), {1: frozenset({7})})  # its buddy raised
+    plan = buddy_sources(reports, buddy_of=_buddy())
+    assert plan.step == 7 and plan.transfers == (Transfer(2, 1),) and plan.rollback == frozenset({2})
+
+
+def test_buddy_no_live_rank_but_copies_everywhere():
+    reports = {r: RankReport(r, None, frozenset({3}), {(r - 1) % 4: frozenset({3})}) for r in range(4)}
+    plan = buddy_sources(reports, buddy_of=_buddy())
+    assert plan.step == 3 and plan.transfers == () and plan.rollback == frozenset(range(4))
+    assert buddy_sources({r: RankReport(r, None) for r in range(4)}, buddy_of=_buddy()).reason.startswith(
+        "no rank survived"
+    )
+
+
+def test_params_are_optimized_rejects_a_swapped_or_stateless_parameter():
+    """A live capture is only taken when the registered parameters are the optimizer's (a fault
+    inside FSDP2's all-gather can leave a block's unsharded parameters registered)."""
+    import torch
+
+    from ckless_lightning.replication.state import params_are_optimized
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert params_are_optimized(model, [optimizer])  # no state yet: nothing to mismatch
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    assert params_are_optimized(model, [optimizer])
+    optimizer.state.pop(model[1].bias)
+    assert not params_are_optimized(model, [optimizer])
+    optimizer.state[model[1].bias] = {}
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())  # what an unsharded view is
+    assert not params_are_optimized(model, [optimizer])

@@ -73,7 +73,9 @@ def test_restart_outside_the_window_refills(tmp_path, data_cache, reference):
 
 
 @pytest.mark.timeout(600)
-def test_reader_killed_mid_run_is_restarted(tmp_path, data_cache, reference):
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_reader_killed_or_stopped_mid_run_is_restarted(tmp_path, data_cache, reference, sig):
+    """A dead reader is restarted; so is a stopped one (killed first, found within a second or two)."""
     run, base = tmp_path / "run", tmp_path / "shm"
     job = subprocess.Popen(
         launch_command(run, data_cache, *COMMON, *cache_overrides(base)),
@@ -87,13 +89,18 @@ def test_reader_killed_mid_run_is_restarted(tmp_path, data_cache, reference):
             assert job.poll() is None and time.monotonic() < deadline, "training did not reach step 4"
             time.sleep(0.2)
         (started,) = [e for e in read_events(run / "events.jsonl") if e["kind"] == "reader_started"]
-        subprocess.run(["kill", "-KILL", str(started["pid"])], check=True)
+        signalled = time.time()
+        subprocess.run(["kill", f"-{sig}", str(started["pid"])], check=True)
         _, stderr = job.communicate(timeout=240)
         assert job.returncode == 0, stderr[-3000:]
     finally:
         job.kill()
-    kinds = [e["kind"] for e in read_events(run / "events.jsonl")]
-    assert kinds.count("reader_started") == 2 and "reader_restarted" in kinds
+    events = read_events(run / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("reader_started") == 2
+    (restarted,) = [e for e in events if e["kind"] == "reader_restarted"]
+    assert restarted["stopped"] is (sig == "STOP")
+    assert restarted["t"] - signalled <= 2.0, "the agent took too long to notice the reader"
     assert_same_training(run, reference, tmp_path)
     assert not list(base.iterdir())
 

@@ -20,7 +20,15 @@ from test_tier3 import pids_by_rank, plan_override
 from ckless_lightning.record.summary import summarize_run
 
 STEPS = 12
-COMMON = (f"trainer.max_steps={STEPS}", "tier=4", "agent.hang_timeout=6", "agent.max_restarts=10")
+# comm.init_timeout_s is far above any wait here: forming groups must end on a new generation, not on it.
+COMMON = (
+    f"trainer.max_steps={STEPS}",
+    "tier=4",
+    "agent.hang_timeout=6",
+    "agent.max_restarts=10",
+    "comm.init_timeout_s=300",
+    "agent.recovery_timeout=120",
+)
 HSDP = ("cluster.replicate=2", "replication.source=hsdp")
 BUDDY = ("replication.source=buddy",)
 NO_DISK = ("checkpoint.every_n_steps=0",)
@@ -70,12 +78,14 @@ def run_plan(tmp_path, data_cache, recipe, mesh, plan, *extra) -> Path:
 @pytest.mark.parametrize(
     ("recipe", "source", "plan"),
     [
-        # Each rank position killed once, mid-step and during its optimizer step.
+        # Each rank position killed once, mid-step and during its optimizer step; and rank 2 as the
+        # first recovery's process groups form (its peers wait for its address).
         (
             "llama3_tiny",
             "buddy",
             [
                 ("kill", 0, 3, "forward"),
+                ("kill", 2, 3, "comm_init"),
                 ("kill", 1, 5, "optimizer"),
                 ("kill", 2, 7, "backward"),
                 ("kill", 3, 9, "optimizer"),
@@ -100,6 +110,7 @@ def run_plan(tmp_path, data_cache, recipe, mesh, plan, *extra) -> Path:
                 ("kill", 1, 4, "forward"),
                 ("kill", 3, 4, "transfer"),  # a second fault as the first one's transfer starts
                 ("exception", 2, 6, "optimizer"),
+                ("kill", 3, 6, "recovery"),  # rank 2's buddy, in that recovery: 2 uses its own copy
                 ("kill", 3, 8, "commit"),
             ],
         ),
@@ -115,8 +126,19 @@ def test_replaced_ranks_restore_from_memory_bitwise(tmp_path, data_cache, refere
     done = restores(run)
     assert done and all(r["step"] is not None for r in done), done
     lost = {rank for r in done for rank in r["lost"]}
-    killed = {rank for kind, rank, _, _ in plan if kind in ("kill", "exception")}
+    killed = {rank for kind, rank, _, _ in plan if kind == "kill"}
     assert killed <= lost, (killed, done)
+    # A rank whose own code raised is restored from a peer or rolls back to its own complete copy.
+    raised = {rank for kind, rank, _, _ in plan if kind == "exception"}
+    assert raised <= lost | {rank for r in done for rank in r["rollback"]}, (raised, done)
+    for fault in events_of(run, "fault_injected"):
+        if fault["phase"] == "comm_init":  # the peers waiting for its address left at once
+            left = [
+                e["t"]
+                for e in events_of(run, "rank_phase")
+                if e["phase"] == "recovery_start" and e["t"] > fault["t"] and e["rank"] != fault["rank"]
+            ]
+            assert left and min(left) - fault["t"] < 30, "forming groups waited for a dead peer"
     if source == "hsdp":
         assert all(not r["rollback"] for r in done), done  # a replica always holds the live step
     # A rank killed during its optimizer step (after the commit) leaves its buddy's copy one
@@ -150,3 +172,4 @@ def test_lost_replica_pair_and_corrupt_bucket_fall_back_to_disk(tmp_path, data_c
     rejected = events_of(run, "transfer_rejected")
     assert rejected and all(pairs == [[3, 1]] for pairs in (e["pairs"] for e in rejected)), rejected
     assert [e["fault_type"] for e in events_of(run, "fault_injected")].count("corrupt") == 1
+

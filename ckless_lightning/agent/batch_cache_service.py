@@ -20,7 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from ckless_lightning.agent.processes import signal_session
+from ckless_lightning.agent.processes import is_stopped, signal_session
 from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
@@ -66,10 +66,23 @@ class BatchCacheService:
         self._start_reader()
 
     def keep_running(self) -> None:
-        """Called from the agent's monitor loop: restart the reader if it died."""
-        if self.reader is not None and (code := self.reader.poll()) is not None:
-            self.events.emit("reader_restarted", node=self.job.cluster.node_rank, exit_code=code)
-            print(f"[agent] batch cache reader exited with {code}; restarting it", file=sys.stderr)
+        """Called from the agent's monitor loop: restart the reader if it died or was stopped.
+
+        Ranks waiting on the cache carry on once the new reader fills it (it follows their
+        ``want`` files, so it resumes where they are).
+        """
+        if self.reader is None:
+            return
+        stopped = self.reader.poll() is None and is_stopped(self.reader.pid)
+        if stopped:
+            signal_session(self.reader.pid, signal.SIGKILL)
+            self.reader.wait()
+        if (code := self.reader.poll()) is not None:
+            self.events.emit(
+                "reader_restarted", node=self.job.cluster.node_rank, exit_code=code, stopped=stopped
+            )
+            how = "was stopped (killed it)" if stopped else f"exited with {code}"
+            print(f"[agent] batch cache reader {how}; restarting it", file=sys.stderr)
             self._start_reader()
 
     def close(self) -> None:

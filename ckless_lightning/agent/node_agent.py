@@ -48,8 +48,15 @@ from pathlib import Path
 
 from ckless_lightning.agent.batch_cache_service import BatchCacheService
 from ckless_lightning.agent.budget import RestartBudget
-from ckless_lightning.agent.policies import Action, Decision, Observation, ReplaceFailed, RestartAll
-from ckless_lightning.agent.processes import RankProcess, SparePool
+from ckless_lightning.agent.policies import (
+    Action,
+    Decision,
+    Observation,
+    ReplaceFailed,
+    RestartAll,
+    silence_limit,
+)
+from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped
 from ckless_lightning.comm import Heartbeat, JobStore, connect_store
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
@@ -100,6 +107,7 @@ class NodeAgent:
         self.store_port = 0
         self.batch_cache = BatchCacheService(job, prepared_path, self.local_ranks, self.events, start_step)
         self._spares_due = False  # refill the spare pool once every local rank has done a step
+        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -182,13 +190,19 @@ class NodeAgent:
             rank
             for rank, beat in beats.items()
             if codes[rank] is None
-            and now - beat.time > (cfg.startup_timeout if beat.completed_step < 0 else cfg.hang_timeout)
+            and (now - beat.time > silence_limit(beat, cfg) or is_stopped(self.ranks[rank].pid))
         )
         silent = []
         for node in range(self.cluster.nnodes):
             beat = None if node == self.node else self.store.agent_heartbeat(node)
-            if beat is not None and now - beat[1] > self.cfg.node_timeout:
-                silent.append((node, beat[0]))
+            if beat is None:
+                continue
+            node_gen, count = beat
+            seen = self._node_beats.get(node)
+            if seen is None or seen[0] != count:  # it beat since the last look: timed on our clock
+                self._node_beats[node] = (count, time.monotonic())
+            elif time.monotonic() - seen[1] > self.cfg.node_timeout:
+                silent.append((node, node_gen))
         return Observation(
             gen=gen,
             now=now,

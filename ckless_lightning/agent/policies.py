@@ -27,17 +27,25 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from ckless_lightning.agent.budget import RestartBudget
-from ckless_lightning.agent.processes import RankProcess
+from ckless_lightning.agent.processes import RankProcess, is_stopped
 from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import AgentConfig, JobConfig
 from ckless_lightning.runtime.contract import ExitCode
 
-__all__ = ["Action", "Decision", "Node", "Observation", "Policy", "ReplaceFailed", "RestartAll"]
+__all__ = [
+    "Action",
+    "Decision",
+    "Node",
+    "Observation",
+    "Policy",
+    "ReplaceFailed",
+    "RestartAll",
+    "silence_limit",
+]
 
 _SETTLE_S = 0.3  # after a first failure, collect the cascade before blaming one rank
 # Tiers 3-4: survivors stay alive, so there is little cascade to wait for; a replacement is urgent.
@@ -55,13 +63,11 @@ def _blame_class(code: int) -> int:
     return 3 if code == ExitCode.PEER_FAILED else 1
 
 
-def _process_state(pid: int) -> str:
-    """The state letter of ``/proc/<pid>/stat`` (R, S, D, T, Z...); "?" where unavailable."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "?"
-    return stat.rsplit(")", 1)[1].split()[0]
+def silence_limit(beat: Heartbeat, cfg: AgentConfig) -> float:
+    """How long a running rank may stay silent after ``beat`` before it counts as hung."""
+    if beat.phase == "recovery":
+        return cfg.recovery_timeout
+    return cfg.startup_timeout if beat.completed_step < 0 else cfg.hang_timeout
 
 
 def _how(code: int) -> str:
@@ -78,7 +84,7 @@ class Observation:
     current: int  # the job's generation in the store
     codes: Mapping[int, int | None]  # local rank -> exit code; None: running; ``finished`` ranks: 0
     beats: Mapping[int, Heartbeat]  # local rank -> its last heartbeat
-    stale: tuple[int, ...]  # running ranks silent past agent.startup_timeout / agent.hang_timeout
+    stale: tuple[int, ...]  # running ranks stopped, or silent past agent.startup_timeout / hang_timeout
     silent_nodes: tuple[tuple[int, int], ...]  # (node, its generation): agents silent past node_timeout
 
     @property
@@ -161,7 +167,7 @@ class Policy(ABC):
         blocked on it, which matters for the report only.
         """
         ranks, cfg, node = self.agent.ranks, self.agent.cfg, self.agent.node
-        stopped = [r for r, p in ranks.items() if p.poll() is None and _process_state(p.pid) == "T"]
+        stopped = [r for r, p in ranks.items() if p.poll() is None and is_stopped(p.pid)]
         candidates = sorted(set(stale) | set(stopped))
         rank = min(candidates, key=lambda r: (r not in stopped, beats[r].time, r))
         beat = beats[rank]
@@ -174,11 +180,13 @@ class Policy(ABC):
             exit_code=None,
             completed_step=beat.completed_step,
             last_beat=beat.time,
-            limit_s=cfg.startup_timeout if beat.completed_step < 0 else cfg.hang_timeout,
+            limit_s=silence_limit(beat, cfg),
             stale_ranks=sorted(stale),
+            stopped=rank in stopped,
             gen=gen,
         )
-        print(f"[agent{node}] rank {rank} hung after step {beat.completed_step}; killed it", file=sys.stderr)
+        how = "was stopped (state T)" if rank in stopped else "hung"
+        print(f"[agent{node}] rank {rank} {how} after step {beat.completed_step}; killed it", file=sys.stderr)
         return rank
 
     def _report_lost_node(self, gen: int, obs: Observation) -> bool:
@@ -391,4 +399,4 @@ class ReplaceFailed(Policy):
         for rank, proc in self.agent.ranks.items():
             if proc.poll() is None:
                 beat = beats[rank]
-                self.store.set_rank_heartbeat(rank, Heartbeat(beat.gen, beat.completed_step, now))
+                self.store.set_rank_heartbeat(rank, Heartbeat(beat.gen, beat.completed_step, now, beat.phase))

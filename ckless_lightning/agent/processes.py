@@ -20,7 +20,7 @@ from typing import IO
 
 from ckless_lightning.runtime.contract import RankSpec, launcher_env
 
-__all__ = ["RankProcess", "SparePool", "signal_session"]
+__all__ = ["RankProcess", "SparePool", "is_stopped", "signal_session"]
 
 
 def signal_session(pid: int, sig: signal.Signals) -> None:
@@ -29,6 +29,19 @@ def signal_session(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         return
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (SIGSTOP/SIGTSTP: state ``T`` in ``/proc/<pid>/stat``).
+
+    Nothing in a job stops its own processes, so a stopped one is a fault: the agent kills it at
+    once instead of waiting for its heartbeat to go stale (ptrace stops, state ``t``, do not count).
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
 
 
 class RankProcess:
@@ -130,6 +143,11 @@ class SparePool:
             )
 
     def take(self) -> subprocess.Popen[bytes] | None:
+        """A running spare (dead or stopped ones are dropped, a stopped one killed), or None."""
+        for proc in self._spares:
+            if proc.poll() is None and is_stopped(proc.pid):
+                signal_session(proc.pid, signal.SIGKILL)
+                proc.wait()
         self._spares = [p for p in self._spares if p.poll() is None]
         return self._spares.pop(0) if self._spares else None
 

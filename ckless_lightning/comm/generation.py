@@ -26,6 +26,8 @@ class Generation:
         rank, world_size: this rank and the job's world size.
         mesh: the resolved (replicate, shard) DeviceMesh shape.
         pg_timeout_s: collective timeout of the generation's process groups.
+        init_timeout_s: the longest wait for a peer while those groups form (``comm.init_timeout_s``).
+        join_timeout_s: the longest join barrier before this generation (``comm.join_timeout_s``).
     """
 
     store: JobStore
@@ -34,6 +36,8 @@ class Generation:
     world_size: int
     mesh: tuple[int, int]
     pg_timeout_s: float = 600.0
+    init_timeout_s: float = 60.0
+    join_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         assert self.mesh[0] * self.mesh[1] == self.world_size, (self.mesh, self.world_size)

@@ -13,20 +13,36 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ckless_lightning.comm._torch_compat import forget_failed_default_group
 from ckless_lightning.comm.store import JobStore
 
 __all__ = ["init_generation_process_group"]
 
 
 def init_generation_process_group(
-    store: JobStore, *, backend: str, rank: int, world_size: int, generation: int, timeout_s: float
+    store: JobStore,
+    *,
+    backend: str,
+    rank: int,
+    world_size: int,
+    generation: int,
+    timeout_s: float,
+    init_timeout_s: float = 60.0,
 ) -> None:
-    """``init_process_group`` on generation ``generation``'s namespace of ``store``; once per process."""
+    """``init_process_group`` on generation ``generation``'s namespace of ``store``; once per process.
+
+    Every group formed later on the default one's store (sub-groups, DeviceMesh) shares its
+    bound: a store read waits at most ``init_timeout_s`` and ends when the generation does.
+    """
     assert not dist.is_initialized(), "the default process group already exists in this process"
-    dist.init_process_group(
-        backend,
-        store=store.process_group_store(generation),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            store=store.process_group_store(generation, init_timeout_s=init_timeout_s),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except BaseException:
+        forget_failed_default_group()  # the next generation's groups must be named as a new process's
+        raise

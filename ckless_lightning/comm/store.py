@@ -13,7 +13,8 @@ key                                value                                        
 ``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
 ``giveup``                         set once: the reason the job stops for good                 agent
 ``hb/<rank>``                      ``"<gen> <completed step> <unix time>"``, each step         rank, agent
-``agent/<node>``                   ``"<gen> <unix time>"``, each agent's own heartbeat         agent
+``agent/<node>``                   the generation each agent is in                             agent
+``agent/<node>/beats``             counter each agent bumps per pass (liveness, no clocks)    agent
 ``started/<g>/<node>``             the node's ranks were started in generation ``g``           agent
 ``master_port/<g>``                tier 0: rank 0's rendezvous port of generation ``g``        agent 0
 ``done/<g>/<node>``                a node's ranks all finished in generation ``g``             agent
@@ -35,6 +36,8 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, TCPStore
 
+from ckless_lightning.comm.bounded_store import GenerationBoundStore, GenerationChanged
+
 __all__ = ["GenerationChanged", "Heartbeat", "JobStore", "connect_store"]
 
 
@@ -50,30 +53,27 @@ def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float = 3
     )
 
 
-class GenerationChanged(RuntimeError):
-    """The job moved past this rank's generation (a fault elsewhere): leave ``fit`` and rejoin."""
-
-    def __init__(self, generation: int, current: int, where: str) -> None:
-        self.generation = generation
-        self.current = current
-        super().__init__(f"generation {generation} ended (now {current}) while {where}")
-
-
 @dataclass(frozen=True)
 class Heartbeat:
-    """A rank's beat: its generation, its completed step (-1 while starting up), and when."""
+    """A rank's beat: its generation, its completed step (-1 while starting up), when, and its phase.
+
+    ``phase`` is ``"step"`` while training (or starting up) and ``"recovery"`` from the moment a
+    rank leaves a generation until it trains again: the agent gives each phase its own silence
+    limit (``agent.hang_timeout``, ``agent.startup_timeout``, ``agent.recovery_timeout``).
+    """
 
     gen: int
     completed_step: int
     time: float
+    phase: str = "step"
 
     @classmethod
     def parse(cls, raw: bytes) -> Heartbeat:
-        gen, completed, t = raw.decode().split()
-        return cls(int(gen), int(completed), float(t))
+        gen, completed, t, *phase = raw.decode().split()
+        return cls(int(gen), int(completed), float(t), *phase)
 
     def encode(self) -> str:
-        return f"{self.gen} {self.completed_step} {self.time:.6f}"
+        return f"{self.gen} {self.completed_step} {self.time:.6f} {self.phase}"
 
 
 class JobStore:
@@ -81,6 +81,7 @@ class JobStore:
 
     def __init__(self, store: TCPStore) -> None:
         self._tcp = store  # the raw c10d store: only this class spells its keys
+        self._pg_stores: dict[int, GenerationBoundStore] = {}
 
     @classmethod
     def connect(cls, host: str, port: int) -> JobStore:
@@ -109,9 +110,21 @@ class JobStore:
                 announce(current)
         return current
 
-    def process_group_store(self, gen: int) -> PrefixStore:
-        """Generation ``gen``'s own namespace for ``init_process_group`` (tier 1+)."""
-        return PrefixStore(f"gen{gen}/pg/", self._tcp)
+    def process_group_store(self, gen: int, *, init_timeout_s: float) -> GenerationBoundStore:
+        """Generation ``gen``'s own namespace for ``init_process_group`` (tier 1+).
+
+        Its reads wait at most ``init_timeout_s`` and end when the job's generation moves on.
+        This object keeps it alive: torch holds only its C++ half, and calls into the Python
+        methods fail ("Not implemented") once the Python object is collected (torch 2.13).
+        """
+        if gen not in self._pg_stores:
+            self._pg_stores[gen] = GenerationBoundStore(
+                PrefixStore(f"gen{gen}/pg/", self._tcp),
+                generation=gen,
+                current=self.generation,
+                timeout_s=init_timeout_s,
+            )
+        return self._pg_stores[gen]
 
     def restart_times(self, up_to_gen: int) -> list[float]:
         keys = [f"restart/{g}" for g in range(1, up_to_gen + 1)]
@@ -136,14 +149,20 @@ class JobStore:
         return {r: Heartbeat.parse(raw) for r, raw in zip(ranks, self._tcp.multi_get(keys), strict=True)}
 
     def set_agent_heartbeat(self, node: int, gen: int) -> None:
-        self._tcp.set(f"agent/{node}", f"{gen} {time.time():.6f}")
+        """One supervision pass of ``node``'s agent, in generation ``gen``: bumps its beat counter.
 
-    def agent_heartbeat(self, node: int) -> tuple[int, float] | None:
+        A counter, not a timestamp: observers time its changes on their own clock, so machines
+        whose clocks disagree never take a live node for a silent one (or the reverse).
+        """
+        self._tcp.set(f"agent/{node}", str(gen))
+        self._tcp.add(f"agent/{node}/beats", 1)
+
+    def agent_heartbeat(self, node: int) -> tuple[int, int] | None:
+        """``node``'s agent's (generation, beat count); None before its first beat."""
         key = f"agent/{node}"
         if not self._tcp.check([key]):
             return None
-        gen, t = self._tcp.get(key).decode().split()
-        return int(gen), float(t)
+        return int(self._tcp.get(key)), self._tcp.add(f"{key}/beats", 0)
 
     # -- per-generation rendezvous and completion --------------------------
     def publish_master_port(self, gen: int, port: int) -> None:

@@ -49,7 +49,7 @@ from ckless_lightning.recovery.memory import MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
 from ckless_lightning.replication import SnapshotCopies, Transfer
-from ckless_lightning.replication.state import local_state_tensors, reshard_all
+from ckless_lightning.replication.state import local_state_tensors, params_are_optimized, reshard_all
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 from ckless_lightning.runtime.contract import RankContext, is_peer_failure
 from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
@@ -67,6 +67,9 @@ class RecoveryFaults(Protocol):
 
     def on_recovery(self, completed_step: int) -> None:
         """Between leaving a generation and joining the next (the ``recovery`` phase)."""
+
+    def on_comm_init(self, completed_step: int) -> None:
+        """As this rank starts forming a generation's process groups (the ``comm_init`` phase)."""
 
     def on_transfer(self, completed_step: int) -> None:
         """Tier 4: as the state transfer starts, on every rank (the ``transfer`` phase)."""
@@ -110,6 +113,7 @@ class InProcessRecovery:
             rank=self.rank,
             world_size=generation.world_size,
             generation=generation.number,
+            join_timeout_s=generation.join_timeout_s,
             on_phase=self._phase,
             announce=self._announce if events is not None else None,
         )
@@ -132,6 +136,8 @@ class InProcessRecovery:
         replicate: int = 1,
         shard: int = -1,
         pg_timeout_s: float = 600.0,
+        init_timeout_s: float = 60.0,
+        join_timeout_s: float = 900.0,
         **kwargs: Any,
     ) -> InProcessRecovery:
         """Join the job whose store the node agent names in the environment (``CKLESS_STORE_ADDR``...).
@@ -152,6 +158,8 @@ class InProcessRecovery:
             world_size=context.world_size,
             mesh=resolve_mesh(context.world_size, replicate, shard),
             pg_timeout_s=pg_timeout_s,
+            init_timeout_s=init_timeout_s,
+            join_timeout_s=join_timeout_s,
         )
         return cls(generation, **kwargs)
 
@@ -193,6 +201,7 @@ class InProcessRecovery:
                 self._count_votes()
                 if trainer is not None:
                     self.session.completed_step = trainer.global_step
+                self.session.beat_recovering()
                 self._capture_live_state(trainer, err)
                 self._leave(err)
                 left_after = self.session.completed_step
@@ -224,11 +233,16 @@ class InProcessRecovery:
             )
         return CheckpointlessStrategy(
             generation=gen,
-            on_comm_phase=lambda phase: self._phase(phase, gen.number),
+            on_comm_phase=lambda phase: self._on_comm_phase(phase, gen.number),
             step_vote=self.commit.vote,
             on_leave=self._on_leave,
             memory=memory,
         )
+
+    def _on_comm_phase(self, phase: str, gen: int) -> None:
+        self._phase(phase, gen)
+        if phase == "comm_init_start" and self.faults is not None:
+            self.faults.on_comm_init(self.session.completed_step)
 
     def _on_leave(self) -> None:
         """From the strategy's ``on_exception``: make peers notice at once that this rank is leaving.
@@ -236,6 +250,7 @@ class InProcessRecovery:
         Tier 4 first lets a buddy exchange in flight finish (peers' gloo threads progress it even
         while they wait in a collective), so its copies stay usable.
         """
+        self.session.beat_recovering()
         if self.snapshots is not None:
             self.snapshots.settle(timeout_s=_SETTLE_ON_LEAVE_S)
         fail_fast(keep_ports={self.store.port})
@@ -278,25 +293,31 @@ class InProcessRecovery:
     def _capture_live_state(self, trainer: pl.Trainer | None, err: Exception) -> None:
         """Tier 4: keep views of this rank's live tensors if they hold its last recorded step.
 
-        Trusted only when this rank's own code did not fail (the error came from a lost peer
-        or a changed generation) and no optimizer step completed after the last snapshot.
+        Trusted only when this rank's own code did not fail (the error came from a lost peer or
+        a changed generation) and no optimizer step completed after the last snapshot.
         """
         if self.snapshots is None:
             return
+        not_ours = is_peer_failure(err) or isinstance(err, GenerationChanged)
         if self.snapshots.live_tensors is not None:
-            # The fault hit the restore itself (e.g. a peer lost during the transfer): the state
-            # captured when leaving the generation before is still the one to restore, untouched.
+            # The fault hit the restore itself. A peer lost during the transfer: the state captured
+            # when leaving the generation before is still the one to restore, untouched. This
+            # rank's own error (its capture did not fit the new model): never offer it again.
+            if not not_ours:
+                self.snapshots.capture_live(None, trusted=False)
             self._collect_snapshot_cost()
             return
         module = trainer.lightning_module if trainer is not None else None
         trusted = (
-            module is not None
-            and (is_peer_failure(err) or isinstance(err, GenerationChanged))
-            and self.snapshots.live_step == trainer.global_step  # type: ignore[union-attr]
+            module is not None and not_ours and self.snapshots.live_step == trainer.global_step  # type: ignore[union-attr]
         )
         tensors = None
         if trusted:
             reshard_all(module)  # type: ignore[arg-type]
+            # A fault inside FSDP2's all-gather can leave a block's unsharded parameters registered
+            # even after reshard(): those are not what the optimizer steps, so not a capture.
+            trusted = params_are_optimized(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
+        if trusted:
             tensors = local_state_tensors(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
         self.snapshots.capture_live(tensors, trusted=trusted)
         self._collect_snapshot_cost()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ckless_lightning.comm import Generation
 from ckless_lightning.record.events import EventLog
+from ckless_lightning.recovery.session import JobGaveUp
 from ckless_lightning.replication import (
     SnapshotCopies,
     SourceMap,
@@ -198,10 +199,14 @@ class MemoryRestore:
         if dist.get_rank() == 0:
             print(f"tier 4: {plan.reason}; loading {disk}", file=sys.stderr)
         if disk is None:
-            raise RuntimeError(
+            # Every rank computed the same plan: the state is gone for good, and rejoining would
+            # only find it gone again. Stop the job (the agents exit 75: a requeue starts over).
+            reason = (
                 f"tier 4 cannot recover: {plan.reason}, and there is no disk checkpoint in "
                 f"{self.checkpoint_dir} to fall back to; set checkpoint.every_n_steps"
             )
+            self.generation.store.give_up(reason)
+            raise JobGaveUp(reason)
         return disk
 
     def _emit(self, kind: str, **fields: Any) -> None:

@@ -43,6 +43,7 @@ class GenerationSession:
         rank: int,
         world_size: int,
         generation: int,
+        join_timeout_s: float = 900.0,
         on_phase: Callable[[str, int], None] | None = None,
         announce: Callable[[int], None] | None = None,
     ) -> None:
@@ -51,8 +52,14 @@ class GenerationSession:
         self.world_size = world_size
         self.generation = generation
         self.completed_step = -1
+        self.join_timeout_s = join_timeout_s
         self._on_phase = on_phase or (lambda phase, gen: None)
         self._announce = announce
+
+    def beat_recovering(self, gen: int | None = None) -> None:
+        """Tell the agent this rank is recovering (``agent.recovery_timeout`` applies, not hang_timeout)."""
+        gen = self.generation if gen is None else gen
+        self.store.set_rank_heartbeat(self.rank, Heartbeat(gen, self.completed_step, time.time(), "recovery"))
 
     def leave(self) -> int:
         """Leave the current generation (after dropping its process groups); returns the next one.
@@ -71,7 +78,10 @@ class GenerationSession:
         """Block until every rank joined the job's current generation; returns it.
 
         If the generation moves on while waiting (another fault), joins the new
-        one instead. Raises :class:`JobGaveUp` once the agents gave up.
+        one instead. Raises :class:`JobGaveUp` once the agents gave up, or after
+        ``join_timeout_s`` in one generation (a rank that never comes: a lost
+        node nobody replaces); then it gives the job up itself, naming the
+        missing ranks, and the agents exit 75 for the scheduler to requeue.
         """
         while True:
             current = max(self.generation, self.store.generation())
@@ -88,10 +98,13 @@ class GenerationSession:
     def _wait_for_all(self, joined: int, gen: int) -> None:
         pause = 1e-4
         next_beat = 0.0
+        deadline = time.monotonic() + self.join_timeout_s
         while joined < self.world_size:
+            if time.monotonic() >= deadline:
+                self._give_up_joining(gen, joined)
             now = time.time()
             if now >= next_beat:
-                self.store.set_rank_heartbeat(self.rank, Heartbeat(gen, self.completed_step, now))
+                self.beat_recovering(gen)
                 reason = self.store.giveup_reason()
                 if reason is not None:
                     raise JobGaveUp(reason)
@@ -102,3 +115,18 @@ class GenerationSession:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
             joined = self.store.joined(gen)
+
+    def _give_up_joining(self, gen: int, joined: int) -> None:
+        members = {rank: self.store.member(rank) for rank in range(self.world_size)}
+        behind = sorted(rank for rank, member in members.items() if member < gen)
+        who = (
+            f"no process of ranks {', '.join(map(str, behind))} reached it"
+            if behind
+            else "every rank has a process in it, some never finished starting"
+        )
+        reason = (
+            f"generation {gen}: {joined} of {self.world_size} ranks joined within "
+            f"comm.join_timeout_s={self.join_timeout_s:g} s ({who})"
+        )
+        self.store.give_up(reason)
+        raise JobGaveUp(reason)

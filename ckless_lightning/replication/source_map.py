@@ -179,50 +179,57 @@ def buddy_sources(
 
     ``reports`` covers every rank of the job; ``buddy_of(r)`` is the rank that
     holds ``r``'s copies. A step ``S`` is feasible when every survivor is live
-    at ``S`` or holds its own snapshot of ``S``, and every lost rank's buddy
-    survives and holds a complete copy of ``S`` for it (that pair not in
-    ``exclude``). The largest feasible step among the survivors' live and own
-    steps wins; survivors not live at it roll back. Else falls back.
+    at ``S`` or holds its own snapshot of ``S``, and every rank without live
+    state either holds its own complete snapshot of ``S`` (a process that
+    raised keeps its copies: they were complete before its state went bad) or
+    its buddy holds a complete copy of ``S`` for it (that pair not in
+    ``exclude``). A buddy's held copies count whether or not its own live state
+    is trusted; a replaced process holds none. The largest feasible step wins;
+    ranks not live at it roll back to their own snapshot. Else falls back.
     """
     world = sorted(reports)
-    live, lost = _live(reports, world)
-    if not live:
-        return _fallback(lost, "no rank survived")
+    live, untrusted = _live(reports, world)
 
     def copies(r: int) -> frozenset[int]:
-        """Steps of usable copies of lost rank ``r`` on its buddy."""
+        """Steps of usable copies of rank ``r`` on its buddy."""
         b = buddy_of(r)
-        if b not in live or Transfer(b, r) in exclude:
+        if b not in reports or Transfer(b, r) in exclude:
             return frozenset()
         return frozenset(reports[b].held.get(r, ()))
 
-    lost_copies = {r: copies(r) for r in lost}
-    candidates = set(live.values()).union(*(reports[r].own_steps for r in live))
+    from_buddy = {r: copies(r) for r in untrusted}
+    candidates = set(live.values()).union(*(reports[r].own_steps for r in world), *from_buddy.values())
+    if not live and not candidates:
+        return _fallback(untrusted, "no rank survived")
     for step in sorted(candidates, reverse=True):
-        survivors_ok = all(live[r] == step or step in reports[r].own_steps for r in live)
-        if survivors_ok and all(step in lost_copies[r] for r in lost):
-            rollback = frozenset(r for r in live if live[r] != step)
+        rollback = {r for r in world if live.get(r) != step and step in reports[r].own_steps}
+        lost = [r for r in untrusted if r not in rollback]
+        survivors_ok = all(live[r] == step or r in rollback for r in live)
+        if survivors_ok and all(step in from_buddy[r] for r in lost):
             transfers = tuple(Transfer(buddy_of(r), r) for r in lost)
             parts = [f"{_ranks(lost)} restored from buddies"] if lost else ["no rank lost"]
             if rollback:
                 parts.append(f"{_ranks(rollback)} roll back to their own snapshot")
-            return SourceMap(step, transfers, rollback, tuple(lost), f"{'; '.join(parts)} (step {step})")
+            return SourceMap(
+                step, transfers, frozenset(rollback), tuple(lost), f"{'; '.join(parts)} (step {step})"
+            )
 
     gone = []
-    for r in lost:
+    for r in untrusted:
         b = buddy_of(r)
-        if b not in live:
-            gone.append(f"rank {r} and its buddy rank {b} both lost")
-        elif Transfer(b, r) in exclude:
+        if Transfer(b, r) in exclude:
             gone.append(f"the copy of rank {r} on its buddy rank {b} failed a checksum")
-        elif not lost_copies[r]:
-            gone.append(f"rank {r}'s buddy rank {b} holds no complete copy of it")
+        elif not from_buddy[r] and not reports[r].own_steps:
+            if b not in reports or not reports[b].held:
+                gone.append(f"rank {r} and its buddy rank {b} both lost")
+            else:
+                gone.append(f"rank {r}'s buddy rank {b} holds no complete copy of it")
     if gone:
-        return _fallback(lost, "; ".join(gone))
-    held = "; ".join(f"rank {r}'s buddy holds steps {sorted(lost_copies[r])}" for r in lost)
+        return _fallback(untrusted, "; ".join(gone))
+    held = "; ".join(f"rank {r}'s buddy holds steps {sorted(from_buddy[r])}" for r in untrusted)
     if len(set(live.values())) > 1:
         held = f"{_disagreement(live)}{'; ' + held if held else ''}"
-    return _fallback(lost, f"no step that every rank can reach ({held or 'no common snapshot'})")
+    return _fallback(untrusted, f"no step that every rank can reach ({held or 'no common snapshot'})")
 
 
 def buddy_rank(rank: int, *, world_size: int, offset: int) -> int:

@@ -21,6 +21,7 @@ __all__ = [
     "copy_into",
     "local_state_tensors",
     "param_groups_of",
+    "params_are_optimized",
     "reshard_all",
     "rng_state",
     "set_param_groups",
@@ -39,6 +40,17 @@ def reshard_all(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
+
+
+def params_are_optimized(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether ``module``'s registered parameters are exactly those its optimizers step, each with
+    its state (after the first step): then :func:`local_state_tensors` describes the live state."""
+    optimized = {
+        id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]
+    }
+    registered = {id(p) for p in module.parameters()}
+    with_state = {id(p) for optimizer in optimizers for p in optimizer.state}
+    return registered == optimized and (not with_state or with_state == registered)
 
 
 def local_state_tensors(

@@ -180,8 +180,11 @@ class AgentConfig:
     """The per-node agent: warm spares, failure detection and the restart budget.
 
     A rank is declared hung when it sends no heartbeat for ``hang_timeout``
-    seconds once it has completed a step, or for ``startup_timeout`` seconds
-    before its first step (imports, rendezvous, model build and restore).
+    seconds once it has completed a step, for ``startup_timeout`` seconds
+    before its first step (imports, rendezvous, model build and restore), or
+    for ``recovery_timeout`` seconds while it recovers in-process (tiers 3-4:
+    from leaving a generation to its next step). A stopped process (state T)
+    is killed at once, in any phase; so is a stopped batch-cache reader or spare.
     More than ``max_restarts`` restarts within ``restart_window_s`` spends the
     fault budget: the agents stop the job and exit with code 75 (EX_TEMPFAIL),
     for Slurm or Kubernetes to requeue it.
@@ -190,6 +193,7 @@ class AgentConfig:
     spares: int = 0
     hang_timeout: float = 60.0
     startup_timeout: float = 600.0
+    recovery_timeout: float = 300.0
     node_timeout: float = 30.0
     max_restarts: int = 3
     restart_window_s: float = 3600.0
@@ -204,6 +208,7 @@ class AgentConfig:
         for key in (
             "hang_timeout",
             "startup_timeout",
+            "recovery_timeout",
             "node_timeout",
             "restart_window_s",
             "monitor_interval",
@@ -225,16 +230,24 @@ class CommConfig:
     restarted rank joins the running store directly and no rank is the root.
     Off (tier 0): rank 0 hosts the rendezvous store on a fresh port per
     generation, as torchrun's workers do.
+
+    Bounds (tiers 1+; README "Timeouts"): ``pg_timeout_s`` is torch's collective
+    timeout; ``init_timeout_s`` bounds each store read while a generation's
+    process groups form (a peer that died or stopped before publishing its
+    address: the rank moves to the next generation); ``join_timeout_s`` bounds
+    the join barrier of tiers 3-4 (a rank that never comes, e.g. a lost node
+    nobody replaces: the job gives up with exit 75 for the scheduler to requeue).
     """
 
     rootless: bool = False
     pg_timeout_s: float = 600.0
+    init_timeout_s: float = 60.0
+    join_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
-        if self.pg_timeout_s <= 0:
-            raise ValueError(
-                f"comm.pg_timeout_s must be a positive number of seconds, got {self.pg_timeout_s}"
-            )
+        for key in ("pg_timeout_s", "init_timeout_s", "join_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"comm.{key} must be a positive number of seconds, got {getattr(self, key)}")
 
 
 @dataclass
@@ -324,11 +337,12 @@ class JobConfig:
                 "use tier=4"
             )
         if self.tier < 3:
-            if any(f.phase == "recovery" for f in faults):
-                raise ValueError(
-                    f"fault.phase=recovery needs in-process recovery (tier >= 3), but tier={self.tier}: "
-                    "at tiers 0-2 no rank survives a fault to recover; choose another phase or tier=3"
-                )
+            for phase in ("recovery", "comm_init"):
+                if any(f.phase == phase for f in faults):
+                    raise ValueError(
+                        f"fault.phase={phase} needs in-process recovery (tier >= 3), but tier={self.tier}: "
+                        "at tiers 0-2 no rank survives a fault to recover; choose another phase or tier=3"
+                    )
         self.fault.validate_against(
             world_size=self.cluster.world_size,
             nnodes=self.cluster.nnodes,

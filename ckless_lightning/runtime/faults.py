@@ -40,9 +40,10 @@ __all__ = [
 FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "corrupt", "random", "plan")
 # Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
 # then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4), between
-# leaving a generation and joining the next; "transfer": as the ranks start tier 4's state transfer.
+# leaving a generation and joining the next; "comm_init": after joining, as the rank starts forming
+# the generation's process groups; "transfer": as the ranks start tier 4's state transfer.
 STEP_PHASES = ("data", "forward", "backward", "grad_reduction", "commit", "optimizer")
-PHASES = (*STEP_PHASES, "recovery", "transfer")
+PHASES = (*STEP_PHASES, "recovery", "comm_init", "transfer")
 INJECTORS = ("inside", "outside")
 # Types a random schedule may draw from (node_loss is targeted only: it names a node).
 RANDOM_FAULT_TYPES = ("kill", "hang", "exception")
@@ -60,8 +61,9 @@ class FaultConfig:
     ``types`` by ``random``; ``plan`` by ``plan``: a list of faults, each a mapping of
     this section's targeted keys (``type``, ``rank``, ``step``, ``phase``, ``injected_by``, ``node``).
     A ``recovery``-phase fault of step N fires in the first in-process recovery (tiers 3-4)
-    that begins once the rank has started step N; a ``transfer``-phase one as the ranks start
-    tier 4's state transfer in such a recovery.
+    that begins once the rank has started step N; a ``comm_init``-phase one as the rank starts
+    forming the process groups of such a recovery's generation; a ``transfer``-phase one as the
+    ranks start tier 4's state transfer in such a recovery.
     Checks that need the job's shape are in :meth:`validate_against`.
     """
 

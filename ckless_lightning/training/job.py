@@ -203,6 +203,8 @@ def _generation(job: JobConfig, context: RankContext, store: JobStore) -> Genera
         world_size=job.cluster.world_size,
         mesh=job.cluster.mesh_shape,
         pg_timeout_s=job.comm.pg_timeout_s,
+        init_timeout_s=job.comm.init_timeout_s,
+        join_timeout_s=job.comm.join_timeout_s,
     )
 
 

@@ -136,6 +136,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
                 world_size=gen.world_size,
                 generation=gen.number,
                 timeout_s=gen.pg_timeout_s,
+                init_timeout_s=gen.init_timeout_s,
             )
         init_distributed(self)  # Lightning's own init is skipped when the group exists already
         self._on_comm_phase("comm_init_done")

@@ -25,6 +25,8 @@ optimizer       ``Optimizer.register_step_post_hook``, put on    this rank's par
                                                                  checkpoint not yet
 recovery        :meth:`FaultInjectionCallback.on_recovery`,      left the failed generation, not yet
                 called by the in-process recovery loop           joined the next
+comm_init       :meth:`FaultInjectionCallback.on_comm_init`,     joined the next generation; its
+                called as the strategy starts forming groups     process groups not formed yet
 transfer        :meth:`FaultInjectionCallback.on_transfer`,      tier 4: joined; the state transfer
                 called as tier 4's transfer starts               (a collective) is starting
 ==============  ===============================================  ====================================
@@ -134,23 +136,26 @@ class FaultInjectionCallback(pl.Callback):
         """Called by the in-process recovery loop between generations: fire ``recovery`` faults.
 
         A ``recovery`` fault of step N fires in the first recovery once the rank
-        started step N (``completed_step >= N - 1``).
+        started step N (``completed_step >= N - 1``); so do ``comm_init`` and ``transfer`` ones.
         """
-        self._due = [
-            s
-            for s in self.specs
-            if s.phase == "recovery" and s.fault_type != "corrupt" and completed_step >= s.step - 1
-        ]
-        self._fire("recovery")
+        self._fire_between_steps("recovery", completed_step)
+
+    def on_comm_init(self, completed_step: int) -> None:
+        """Called by the in-process recovery loop as this rank starts forming a generation's process
+        groups: fire ``comm_init`` faults (its peers then wait for its address)."""
+        self._fire_between_steps("comm_init", completed_step)
 
     def on_transfer(self, completed_step: int) -> None:
         """Tier 4: called on every rank as the state transfer of a recovery starts: ``transfer`` faults."""
+        self._fire_between_steps("transfer", completed_step)
+
+    def _fire_between_steps(self, phase: str, completed_step: int) -> None:
         self._due = [
             s
             for s in self.specs
-            if s.phase == "transfer" and s.fault_type != "corrupt" and completed_step >= s.step - 1
+            if s.phase == phase and s.fault_type != "corrupt" and completed_step >= s.step - 1
         ]
-        self._fire("transfer")
+        self._fire(phase)
 
     def corrupt_transfer(self, pair: Any, bucket: int, buffer: torch.Tensor) -> None:
         """Tier 4 transfer hook on a source: a due ``corrupt`` fault flips the first byte of bucket 0."""

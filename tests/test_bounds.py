@@ -1,0 +1,122 @@
+"""Every wait of a recovery is bounded and notices a new generation (one process, a real TCPStore).
+
+- Process-group formation (``GenerationBoundStore``): real gloo groups formed by two of three
+  ranks (threads) block until the job's generation moves on, then fail at once; with the
+  generation unchanged they fail after ``comm.init_timeout_s``, naming the key.
+- The join barrier (``GenerationSession.join``) gives the job up after ``comm.join_timeout_s``.
+- Heartbeats carry their phase; the agent's silence limit follows it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ckless_lightning.agent.policies import silence_limit
+from ckless_lightning.comm import GenerationChanged, Heartbeat, JobStore, connect_store
+from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
+from ckless_lightning.runtime.config import AgentConfig
+
+
+@pytest.fixture
+def store():
+    tcp = connect_store("127.0.0.1", 0, is_master=True, timeout_s=30)
+    job_store = JobStore(tcp)
+    assert job_store.generation() == 0  # creates the key, as the hosting agent does
+    yield job_store
+    del tcp
+
+
+def _form_groups(store: JobStore, ranks: list[int], world: int, timeout_s: float) -> dict[int, BaseException]:
+    """Ranks ``ranks`` of ``world`` form a gloo group in threads; returns what each raised."""
+    errors: dict[int, BaseException] = {}
+
+    def form(rank: int) -> None:
+        bounded = store.process_group_store(0, init_timeout_s=timeout_s)
+        try:
+            dist.ProcessGroupGloo(bounded, rank, world, timedelta(seconds=120))
+        except BaseException as err:
+            errors[rank] = err
+
+    threads = [threading.Thread(target=form, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    return errors, threads
+
+
+@pytest.mark.timeout(60)
+def test_group_formation_ends_when_the_generation_moves_on(store):
+    errors, threads = _form_groups(store, [0, 1], world=3, timeout_s=60)
+    time.sleep(1.0)  # both now wait for rank 2's address, which never comes
+    assert all(t.is_alive() for t in threads)
+    moved = time.monotonic()
+    store.advance_generation(0)
+    for t in threads:
+        t.join(timeout=10)
+    took = time.monotonic() - moved
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(errors) == [0, 1]
+    assert all("generation 0 ended (now 1)" in str(e) for e in errors.values()), errors
+    assert took < 2.0, f"formation noticed the new generation after {took:.2f} s"
+
+
+@pytest.mark.timeout(60)
+def test_group_formation_is_bounded_by_init_timeout(store):
+    start = time.monotonic()
+    errors, threads = _form_groups(store, [0, 1], world=3, timeout_s=1.5)
+    for t in threads:
+        t.join(timeout=20)
+    took = time.monotonic() - start
+    assert sorted(errors) == [0, 1]
+    assert all("comm.init_timeout_s" in str(e) for e in errors.values()), errors
+    assert 1.5 <= took < 10.0
+
+
+def test_group_formation_succeeds_when_everyone_comes(store):
+    errors, threads = _form_groups(store, [0, 1, 2], world=3, timeout_s=30)
+    for t in threads:
+        t.join(timeout=30)
+    assert errors == {}
+
+
+def test_bounded_store_read_raises_generation_changed(store):
+    bounded = store.process_group_store(0, init_timeout_s=30)
+    assert store.process_group_store(0, init_timeout_s=30) is bounded  # kept alive by the JobStore
+    bounded.set("present", "1")
+    assert bounded.get("present") == b"1"
+    store.advance_generation(0)
+    with pytest.raises(GenerationChanged):
+        bounded.get("absent")
+
+
+@pytest.mark.timeout(60)
+def test_join_barrier_gives_up_after_join_timeout(store):
+    store.set_member(0, 0)
+    session = GenerationSession(store, rank=0, world_size=2, generation=0, join_timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(JobGaveUp, match=r"1 of 2 ranks joined .*no process of ranks 1 reached it"):
+        session.join()
+    assert 1.0 <= time.monotonic() - start < 5.0
+    assert "comm.join_timeout_s=1" in store.giveup_reason()
+    assert store.rank_heartbeats([0])[0].phase == "recovery"
+
+
+def test_heartbeat_phase_round_trip_and_limits():
+    beat = Heartbeat(3, 7, 12.5, "recovery")
+    assert Heartbeat.parse(beat.encode().encode()) == beat
+    assert Heartbeat.parse(b"3 7 12.5").phase == "step"  # a beat written without a phase
+    cfg = AgentConfig(hang_timeout=5, startup_timeout=50, recovery_timeout=20)
+    assert silence_limit(Heartbeat(0, 7, 0.0), cfg) == 5
+    assert silence_limit(Heartbeat(0, -1, 0.0), cfg) == 50
+    assert silence_limit(Heartbeat(0, 7, 0.0, "recovery"), cfg) == 20
+
+
+def test_agent_heartbeat_is_a_counter_not_a_clock(store):
+    assert store.agent_heartbeat(1) is None
+    store.set_agent_heartbeat(1, 4)
+    store.set_agent_heartbeat(1, 5)
+    assert store.agent_heartbeat(1) == (5, 2)
