@@ -173,3 +173,17 @@ def test_lost_replica_pair_and_corrupt_bucket_fall_back_to_disk(tmp_path, data_c
     assert rejected and all(pairs == [[3, 1]] for pairs in (e["pairs"] for e in rejected)), rejected
     assert [e["fault_type"] for e in events_of(run, "fault_injected")].count("corrupt") == 1
 
+
+@pytest.mark.timeout(900)
+def test_uneven_and_empty_shards_restore_from_buddies_bitwise(tmp_path, data_cache):
+    """3 ranks: FSDP2 shards dim 0 unevenly, and Mixtral's router [2, 128] leaves rank 2 an empty
+    shard. Buddy copies are shaped like the ward's shard; the empty-shard rank and an uneven one
+    are killed and restored from their buddies, bitwise equal to the fault-free 3-rank run."""
+    mesh = ("model.n_experts=2", "cluster.nproc_per_node=3", "trainer.global_batch_size=12", *BUDDY)
+    reference = tmp_path / "reference"
+    launch_job(reference, data_cache, "recipe=mixtral_tiny", *COMMON, *mesh, *NO_DISK)
+    plan = [("kill", 2, 4, "forward"), ("kill", 1, 7, "backward")]
+    run = run_plan(tmp_path, data_cache, "mixtral_tiny", mesh, plan, *NO_DISK)
+    assert_same_run(run, reference, tmp_path, STEPS)
+    done = restores(run)
+    assert [r["lost"] for r in done] == [[2], [1]] and all(r["step"] is not None for r in done), done

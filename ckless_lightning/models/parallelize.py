@@ -71,19 +71,22 @@ def _data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh if mesh.size(0) > 1 else mesh["shard"]
 
 
-def fsdp_shard_dims(model: nn.Module) -> dict[str, int]:
+def fsdp_shard_dims(model: nn.Module, shard_size: int) -> dict[str, int]:
     """The tensor dim FSDP2 shards each parameter on, by parameter name: 0, except expert weights.
 
-    Expert weights ``[E, ...]`` are sharded on dim 1: with 8 experts over 32 or
-    more ranks, dim 0 would leave most ranks empty and a few holding whole
-    experts (torchtitan does the same without expert parallelism). The memory
-    plan (``ckless_lightning.runtime.memory_plan``) uses the same map.
+    Expert weights ``[E, ...]`` are sharded on dim 1 when ``shard_size`` (ranks in
+    the shard dim) divides it: with 8 experts over 32 or more ranks, dim 0 would
+    leave most ranks empty and a few holding whole experts (torchtitan does the
+    same without expert parallelism). FSDP2 shards only dim 0 unevenly, so an
+    expert weight whose dim 1 does not divide stays on dim 0. The memory plan
+    (``ckless_lightning.runtime.memory_plan``) uses the same map.
     """
     dims = {name: 0 for name, _ in model.named_parameters()}
     for module_name, module in model.named_modules():
         if isinstance(module, Experts):
-            for param_name, _ in module.named_parameters(recurse=False):
-                dims[f"{module_name}.{param_name}" if module_name else param_name] = 1
+            for param_name, param in module.named_parameters(recurse=False):
+                if param.ndim > 1 and param.shape[1] % shard_size == 0:
+                    dims[f"{module_name}.{param_name}" if module_name else param_name] = 1
     return dims
 
 
@@ -93,7 +96,7 @@ def _shard_blocks_then_root(
     dp_mesh = _data_parallel_mesh(mesh)
     mp_policy = cfg.mp_policy()
     params = dict(model.named_parameters())
-    dim_of = {id(params[name]): dim for name, dim in fsdp_shard_dims(model).items()}
+    dim_of = {id(params[name]): dim for name, dim in fsdp_shard_dims(model, mesh.size(1)).items()}
 
     def placement(param: nn.Parameter) -> Shard:
         return Shard(dim_of.get(id(param), 0))

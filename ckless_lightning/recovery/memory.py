@@ -91,7 +91,7 @@ class MemoryRestore:
         Host-memory copies travel beside the step's collectives (and NCCL cannot send CPU tensors).
         """
         if self.snapshots.source == "buddy":
-            self.snapshots.group = dist.new_group(backend="gloo")
+            self.snapshots.attach(dist.new_group(backend="gloo"))
 
     def restore(
         self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]

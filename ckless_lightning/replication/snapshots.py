@@ -92,6 +92,7 @@ class SnapshotCopies:
     held: list[Snapshot] = field(default_factory=list)
     group: Any = None  # the exchange's process group (buddy), one per generation
     _pending: _Exchange | None = None
+    _ward_like: list[torch.Tensor] | None = None  # meta tensors shaped like the ward's shard
 
     def __post_init__(self) -> None:
         if self.source not in ("hsdp", "buddy"):
@@ -100,6 +101,11 @@ class SnapshotCopies:
         self.ward = (self.rank - self.buddy_offset) % self.world_size
 
     # -- steady state ----------------------------------------------------------------------------------
+    def attach(self, group: Any) -> None:
+        """A new generation's exchange group (buddy); the ward's shard shapes are learned again."""
+        self.group = group
+        self._ward_like = None
+
     def record(self, step: int, loop: bytes, tensors: Sequence[torch.Tensor]) -> None:
         """After committed step ``step``: remember its loop state; every k-th step, copy and exchange."""
         self.live_step, self.live_loop = step, loop
@@ -112,7 +118,7 @@ class SnapshotCopies:
                 view.copy_(t)
         self._write_loop(own, loop)
         own.step, own.complete = step, True
-        held = self._slot(self.held, tensors, step)
+        held = self._slot(self.held, self._ward_shapes(tensors), step)
         held.complete = False
         ops = [
             dist.P2POp(dist.isend, own.buffer.flat, peer=self.buddy, group=self.group),
@@ -180,6 +186,21 @@ class SnapshotCopies:
         return sum(s.buffer.flat.numel() + s.loop.numel() for s in [*self.own, *self.held])
 
     # -- internals -------------------------------------------------------------------------------------
+    def _ward_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Meta tensors shaped like the ward's shard, learned once per generation (collective).
+
+        FSDP2 shards dim 0 unevenly when the world size does not divide it (a rank's shard can
+        even be empty), so the ward's copy is not shaped like this rank's own.
+        """
+        if self._ward_like is None:
+            mine = [(tuple(t.shape), t.dtype) for t in tensors]
+            everyone: list[Any] = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=self.group)
+            self._ward_like = [
+                torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in everyone[self.ward]
+            ]
+        return self._ward_like
+
     def _slot(self, slots: list[Snapshot], like: Sequence[torch.Tensor], step: int) -> Snapshot:
         """The slot to overwrite: a fresh one while fewer than two, else the older/incomplete one."""
         if len(slots) < 2:

@@ -83,7 +83,7 @@ def plan_job(job: JobConfig) -> MemoryPlan:
     with torch.device("meta"):
         model = build_model(job.model)
     _, shard = job.cluster.mesh_shape
-    dims = fsdp_shard_dims(model)
+    dims = fsdp_shard_dims(model, shard)
     num_params = 0
     shard_elems = 0
     for name, p in model.named_parameters():
