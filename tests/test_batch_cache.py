@@ -280,7 +280,9 @@ def test_reader_process_sigkill_and_restart(tmp_path):
         )
         consume(range(300, 324))
         assert not planted.exists()
-        assert all(writer.verify(s) for s in writer.entry_steps())
+        # The reader still runs and evicts behind the consumers: an entry listed here may be gone
+        # by the time it is read; one that exists must be complete.
+        assert all(writer.verify(s) or not layout.entry_path(s).exists() for s in writer.entry_steps())
         _wait_for(lambda: min(writer.entry_steps()) >= 321, "eviction behind the consumers")
         procs[1].send_signal(signal.SIGTERM)
         out, _ = procs[1].communicate(timeout=30)
