@@ -155,6 +155,13 @@ def test_hsdp_and_fsdp_four_ranks_match_unsharded() -> None:
     _check(results, 4)
 
 
+@pytest.mark.timeout(180)
+def test_fsdp_three_ranks_uneven_shards_match_unsharded() -> None:
+    # 256 vocab rows -> 86, 86, 84; Mixtral's 64-row expert w2 on dim 0 (6 experts -> 2 each), w1/w3 on dim 1.
+    results = run_ranks(_compare, 3, [(1, 3)], ["llama3", "mixtral_uneven"], timeout=150)
+    _check(results, 3)
+
+
 @pytest.mark.timeout(60)
 def test_run_ranks_reports_the_failing_rank() -> None:
     with pytest.raises(RuntimeError, match=r"rank 1 raised[^\n]*:\n[\s\S]*boom on rank 1"):

@@ -55,6 +55,20 @@ def restores(run: Path) -> list[dict]:
     return sorted((e for e in events_of(run, "memory_restore") if e["rank"] == 0), key=lambda e: e["t"])
 
 
+def assert_no_init_after_start(run: Path) -> None:
+    """Weights were initialized at the first start only; every rank that restored its own live
+    step ran the new generation on its live shards (adopted: no second copy)."""
+    phases = events_of(run, "rank_phase")
+    ready = {(e["gen"], e["rank"]): e["weights"] for e in phases if e["phase"] == "model_ready"}
+    assert {w for (gen, _), w in ready.items() if gen == 0} == {"initialized"}, ready
+    assert all(w in ("adopted", "allocated") for (gen, _), w in ready.items() if gen > 0), ready
+    served = [r for r in events_of(run, "memory_restore") if r["step"] is not None]
+    for r in served:
+        if r["rank"] not in r["lost"] and r["rank"] not in r["rollback"]:
+            assert ready[r["gen"], r["rank"]] == "adopted", (r, ready)
+    assert any(w == "adopted" for w in ready.values()), ready
+
+
 def run_plan(tmp_path, data_cache, recipe, mesh, plan, *extra) -> Path:
     run = tmp_path / "run"
     launch_job(
@@ -119,6 +133,7 @@ def run_plan(tmp_path, data_cache, recipe, mesh, plan, *extra) -> Path:
 def test_replaced_ranks_restore_from_memory_bitwise(tmp_path, data_cache, references, recipe, source, plan):
     run = run_plan(tmp_path, data_cache, recipe, MESHES[recipe, source], plan, *NO_DISK)
     assert_same_run(run, references[recipe, source], tmp_path, STEPS)
+    assert_no_init_after_start(run)
 
     # No file was read: there is no disk checkpoint before the final one, and every recovery
     # was served from memory (a fallback would have failed for want of a checkpoint).
@@ -187,3 +202,24 @@ def test_uneven_and_empty_shards_restore_from_buddies_bitwise(tmp_path, data_cac
     assert_same_run(run, reference, tmp_path, STEPS)
     done = restores(run)
     assert [r["lost"] for r in done] == [[2], [1]] and all(r["step"] is not None for r in done), done
+
+
+@pytest.mark.timeout(600)
+def test_recovery_keeps_one_copy_of_the_state(tmp_path, data_cache):
+    """A 22M-parameter model on 2 ranks: the survivor's new generation runs on its live shards, so
+    its peak RSS grows by less than a transfer bucket (plus slack) during the recovery; allocating
+    and initializing a second copy of its state (params + AdamW: 130 MB) would exceed that."""
+    model = ("model.dim=512", "model.n_layers=7", "model.ffn_dim=1536", "model.n_heads=8")
+    mesh = ("cluster.nproc_per_node=2", "trainer.global_batch_size=2", "data.micro_batch_size=1", *BUDDY)
+    small = ("data.seq_len=64", "replication.bucket_mb=16")
+    run = run_plan(
+        tmp_path, data_cache, "llama3_tiny", (*model, *mesh, *small), [("kill", 1, 4, "forward")], *NO_DISK
+    )
+    assert_no_init_after_start(run)
+    phases = events_of(run, "rank_phase")
+    steady = next(e for e in phases if e["phase"] == "state_released" and e["rank"] == 0)
+    assert steady["peak_reset"], "needs Linux >= 4.0 (/proc/self/clear_refs)"
+    restored = next(e for e in events_of(run, "memory_restore") if e["rank"] == 0)
+    grown_mb = (restored["peak_rss"] - steady["rss"]) / 2**20
+    print(f"survivor: {steady['rss'] / 2**20:.0f} MiB after leaving, peak +{grown_mb:.1f} MiB in recovery")
+    assert grown_mb < 16 + 48, grown_mb

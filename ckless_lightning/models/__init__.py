@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ckless_lightning.models.init import init_weights
+from ckless_lightning.models.init import init_draw_count, init_weights, reset_buffers
 from ckless_lightning.models.layers import CausalLMOutput
 from ckless_lightning.models.llama3 import Llama3, Llama3Config
 from ckless_lightning.models.mesh import MESH_DIM_NAMES, build_mesh, resolve_mesh
@@ -37,10 +37,12 @@ __all__ = [
     "build_mesh",
     "build_model",
     "fsdp_shard_dims",
+    "init_draw_count",
     "init_weights",
     "parallelize_llama3",
     "parallelize_mixtral",
     "parallelize_model",
+    "reset_buffers",
     "resolve_mesh",
 ]
 

@@ -44,12 +44,13 @@ import torch.distributed as dist
 from ckless_lightning.comm import Generation, GenerationChanged, JobStore
 from ckless_lightning.models import resolve_mesh
 from ckless_lightning.record.events import EventLog
+from ckless_lightning.record.process_memory import reset_peak_rss, rss_bytes
 from ckless_lightning.recovery.commit import StepCommit
 from ckless_lightning.recovery.memory import MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
 from ckless_lightning.replication import SnapshotCopies, Transfer
-from ckless_lightning.replication.state import local_state_tensors, params_are_optimized, reshard_all
+from ckless_lightning.replication.state import live_params, params_are_optimized, reshard_all
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 from ckless_lightning.runtime.contract import RankContext, is_peer_failure
 from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
@@ -191,7 +192,7 @@ class InProcessRecovery:
                 if recovering:
                     resume = self._resume_point(ckpt_path)
                     self._phase("resume_chosen", gen.number, resumed_from=str(resume) if resume else None)
-                trainer = make_trainer(self._strategy(gen), self._callbacks(gen.number))
+                trainer = make_trainer(self._strategy(gen, resume), self._callbacks(gen.number))
                 trainer.fit(make_module(), datamodule=datamodule, ckpt_path=resume)
                 self._count_votes()
                 return trainer
@@ -212,10 +213,14 @@ class InProcessRecovery:
             if datamodule is not None:
                 datamodule.trainer = None  # it would keep the old Trainer alive
             gc.collect()
+            # The steady state this recovery's memory is measured against (``memory_restore``).
+            gen = self.session.generation
+            self._phase("state_released", gen, rss=rss_bytes(), peak_reset=reset_peak_rss())
 
     # -- pieces --------------------------------------------------------------------------------------
-    def _strategy(self, gen: Generation) -> CheckpointlessStrategy:
-        """Generation ``gen``'s strategy, handed the vote, the leave hook and (tier 4) the memory restore."""
+    def _strategy(self, gen: Generation, resume: str | Path | None) -> CheckpointlessStrategy:
+        """Generation ``gen``'s strategy, handed the vote, the leave hook and (tier 4) the memory restore;
+        ``resume`` is what its ``fit`` restores from (weights are then not initialized)."""
         self.commit = StepCommit(gen)
         memory = None
         if self.snapshots is not None:
@@ -230,17 +235,19 @@ class InProcessRecovery:
                 on_transfer=(
                     (lambda: faults.on_transfer(self.session.completed_step)) if faults is not None else None
                 ),
+                adopt_live=resume == MEMORY_CHECKPOINT,
             )
         return CheckpointlessStrategy(
             generation=gen,
-            on_comm_phase=lambda phase: self._on_comm_phase(phase, gen.number),
+            on_phase=lambda phase, **fields: self._on_strategy_phase(phase, gen.number, **fields),
+            weights_from_checkpoint=resume is not None,
             step_vote=self.commit.vote,
             on_leave=self._on_leave,
             memory=memory,
         )
 
-    def _on_comm_phase(self, phase: str, gen: int) -> None:
-        self._phase(phase, gen)
+    def _on_strategy_phase(self, phase: str, gen: int, **fields: Any) -> None:
+        self._phase(phase, gen, **fields)
         if phase == "comm_init_start" and self.faults is not None:
             self.faults.on_comm_init(self.session.completed_step)
 
@@ -311,15 +318,15 @@ class InProcessRecovery:
         trusted = (
             module is not None and not_ours and self.snapshots.live_step == trainer.global_step  # type: ignore[union-attr]
         )
-        tensors = None
+        params = None
         if trusted:
             reshard_all(module)  # type: ignore[arg-type]
             # A fault inside FSDP2's all-gather can leave a block's unsharded parameters registered
             # even after reshard(): those are not what the optimizer steps, so not a capture.
             trusted = params_are_optimized(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
         if trusted:
-            tensors = local_state_tensors(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
-        self.snapshots.capture_live(tensors, trusted=trusted)
+            params = live_params(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
+        self.snapshots.capture_live(params, trusted=trusted)
         self._collect_snapshot_cost()
 
     def _collect_snapshot_cost(self) -> None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ckless_lightning.comm import Generation
 from ckless_lightning.record.events import EventLog
+from ckless_lightning.record.process_memory import peak_rss_bytes
 from ckless_lightning.recovery.session import JobGaveUp
 from ckless_lightning.replication import (
     SnapshotCopies,
@@ -46,6 +47,7 @@ from ckless_lightning.replication import (
     transfer_bytes,
     transfer_tensors,
 )
+from ckless_lightning.replication.adopt import adopt_optimizer_state, adopt_parameters
 from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups, set_rng_state
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
@@ -64,6 +66,8 @@ class MemoryRestore:
         events: where ``memory_restore`` events go.
         corrupt: test hook passed to the transfer (flips bytes in flight on a source).
         on_transfer: called on every rank as a transfer starts (fault injection's ``transfer`` phase).
+        adopt_live: the generation resumes from memory (``MEMORY_CHECKPOINT``): a survivor's new model
+            takes its live shards as parameters (:meth:`adopt`) instead of allocating new ones.
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class MemoryRestore:
         events: EventLog | None = None,
         corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
         on_transfer: Callable[[], None] | None = None,
+        adopt_live: bool = False,
     ) -> None:
         self.snapshots = snapshots
         self.generation = generation
@@ -84,6 +89,8 @@ class MemoryRestore:
         self.events = events
         self.corrupt = corrupt
         self.on_transfer = on_transfer or (lambda: None)
+        self.adopt_live = adopt_live
+        self.adopted = False  # this rank's new model runs on its live shards (set by ``adopt``)
 
     def attach(self) -> None:
         """After the generation's process group exists: buddy copies get their own gloo group.
@@ -93,6 +100,19 @@ class MemoryRestore:
         if self.snapshots.source == "buddy":
             self.snapshots.attach(dist.new_group(backend="gloo"))
 
+    def adopt(self, module: torch.nn.Module) -> bool:
+        """Before the optimizers exist, on the model still on meta: a survivor's live shards become
+        its parameters (no initialization, no second copy). False where there is nothing to adopt
+        (a replaced rank, untrusted state, a model the capture does not fit): allocate instead."""
+        live = self.snapshots.live_params
+        self.adopted = (
+            self.adopt_live
+            and live is not None
+            and self.snapshots.live_step is not None
+            and adopt_parameters(module, live)
+        )
+        return self.adopted
+
     def restore(
         self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> dict[str, Any] | Path:
@@ -100,6 +120,9 @@ class MemoryRestore:
         the disk checkpoint to load instead. Raises if neither exists."""
         snapshots = self.snapshots
         rank = dist.get_rank()
+        if self.adopted:
+            assert snapshots.live_params is not None
+            adopt_optimizer_state(module, optimizers, snapshots.live_params)
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, snapshots.report())
         by_rank = {r.rank: r for r in reports}  # type: ignore[union-attr]
@@ -128,6 +151,7 @@ class MemoryRestore:
                 sources=[(p.src, p.dst) for p in plan.transfers],
                 rollback=sorted(plan.rollback),
                 reason=plan.reason,
+                peak_rss=peak_rss_bytes(),  # since state_released (its rss): what the recovery added
             )
             if rank == 0:
                 print(f"tier 4: {plan.reason}", file=sys.stderr)
@@ -148,6 +172,9 @@ class MemoryRestore:
     def _fill(self, plan: SourceMap, rank: int, tensors: list[torch.Tensor]) -> bytes:
         """Survivors put their state of ``plan.step`` into the new tensors; returns its loop bytes."""
         snapshots = self.snapshots
+        if self.adopted and (rank in plan.lost or rank in plan.rollback):
+            # The live capture is this model's storage, about to be overwritten: no longer a capture.
+            snapshots.drop_live()
         if rank in plan.lost:
             return b""
         if rank in plan.rollback:

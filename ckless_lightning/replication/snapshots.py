@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckless_lightning.replication.source_map import RankReport, buddy_rank
+from ckless_lightning.replication.state import LiveParam, flat_tensors
 
 __all__ = ["FlatBuffer", "Snapshot", "SnapshotCopies"]
 
@@ -41,7 +42,8 @@ class FlatBuffer:
         for t in like:
             offsets.append(total)
             total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
-        self.flat = torch.zeros(max(total, _ALIGN), dtype=torch.uint8)
+        # Pinned where a GPU is: device-to-host copies of the shard then run at full bandwidth.
+        self.flat = torch.zeros(max(total, _ALIGN), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self.views = [
             self.flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for off, t in zip(offsets, like, strict=True)
@@ -87,7 +89,8 @@ class SnapshotCopies:
     loop_capacity: int = 1 << 20
     live_step: int | None = None  # step of the live tensors, None if untrusted
     live_loop: bytes | None = None
-    live_tensors: list[torch.Tensor] | None = None  # captured when leaving a generation
+    live_params: list[LiveParam] | None = None  # captured when leaving a generation
+    live_tensors: list[torch.Tensor] | None = None  # the same, flat (``flat_tensors``)
     own: list[Snapshot] = field(default_factory=list)
     held: list[Snapshot] = field(default_factory=list)
     group: Any = None  # the exchange's process group (buddy), one per generation
@@ -115,7 +118,9 @@ class SnapshotCopies:
         own = self._slot(self.own, tensors, step)
         with torch.no_grad():
             for view, t in zip(own.buffer.views, tensors, strict=True):
-                view.copy_(t)
+                view.copy_(t, non_blocking=True)
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the exchange's gloo threads read the buffer
         self._write_loop(own, loop)
         own.step, own.complete = step, True
         held = self._slot(self.held, self._ward_shapes(tensors), step)
@@ -149,13 +154,18 @@ class SnapshotCopies:
         return True
 
     # -- recovery --------------------------------------------------------------------------------------
-    def capture_live(self, tensors: list[torch.Tensor] | None, *, trusted: bool) -> None:
-        """On leaving a generation: keep the live tensors (views) if this rank's state is trustworthy."""
+    def capture_live(self, params: list[LiveParam] | None, *, trusted: bool) -> None:
+        """On leaving a generation: keep the live state (views) if this rank's state is trustworthy."""
         self.settle()
-        if not trusted or tensors is None:
-            self.live_step, self.live_loop, self.live_tensors = None, None, None
+        if not trusted or params is None:
+            self.live_step, self.live_loop = None, None
+            self.drop_live()
         else:
-            self.live_tensors = tensors
+            self.live_params, self.live_tensors = params, flat_tensors(params)
+
+    def drop_live(self) -> None:
+        """Forget the live capture (its tensors are about to be overwritten, or are not wanted)."""
+        self.live_params, self.live_tensors = None, None
 
     def report(self) -> RankReport:
         has_live = self.live_tensors is not None and self.live_step is not None
@@ -176,7 +186,7 @@ class SnapshotCopies:
 
     def resumed_at(self, step: int | None) -> None:
         """Training resumes at ``step`` (None: from disk): drop the live capture and newer copies."""
-        self.live_tensors = None
+        self.drop_live()
         for slot in [*self.own, *self.held]:
             if step is None or slot.step > step:
                 slot.complete = False

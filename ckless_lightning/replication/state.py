@@ -9,6 +9,7 @@ dtypes, which is what the bucketed transfer needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,10 @@ from torch.distributed.tensor import DTensor
 from ckless_lightning.replication._torch_compat import init_optimizer_state
 
 __all__ = [
+    "LiveParam",
     "copy_into",
+    "flat_tensors",
+    "live_params",
     "local_state_tensors",
     "param_groups_of",
     "params_are_optimized",
@@ -53,6 +57,60 @@ def params_are_optimized(module: nn.Module, optimizers: Sequence[torch.optim.Opt
     return registered == optimized and (not with_state or with_state == registered)
 
 
+@dataclass(frozen=True)
+class LiveParam:
+    """One parameter's local shard and its optimizer state (local tensors; ``True`` where the
+    optimizer held the value as a DTensor, like its parameter)."""
+
+    name: str
+    local: torch.Tensor
+    state: dict[str, tuple[torch.Tensor, bool]]
+
+
+def live_params(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, allocate: bool = False
+) -> list[LiveParam]:
+    """Every parameter's local shard and optimizer state, by name (the order of
+    :func:`local_state_tensors`). Views of the live storage, not copies.
+
+    With ``allocate``, optimizer state that does not exist yet is created first (a rank about to
+    receive it).
+    """
+    if allocate:
+        for optimizer in optimizers:
+            init_optimizer_state(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for optimizer in optimizers:
+        for param, values in optimizer.state.items():
+            state[id(param)] = values
+    params = []
+    for name, param in sorted(module.named_parameters(), key=lambda item: item[0]):
+        values = state.get(id(param), {})
+        params.append(
+            LiveParam(
+                name,
+                _local(param.data),
+                {
+                    key: (_local(values[key]), isinstance(values[key], DTensor))
+                    for key in sorted(values)
+                    if isinstance(values[key], torch.Tensor)
+                },
+            )
+        )
+    return params
+
+
+def flat_tensors(params: Sequence[LiveParam]) -> list[torch.Tensor]:
+    """Each parameter's local shard followed by its optimizer state tensors in key order."""
+    tensors: list[torch.Tensor] = []
+    for param in params:
+        tensors.append(param.local)
+        tensors.extend(value for value, _ in param.state.values())
+    for t in tensors:
+        assert t.is_contiguous(), "local state tensors must be contiguous"
+    return tensors
+
+
 def local_state_tensors(
     module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, allocate: bool = False
 ) -> list[torch.Tensor]:
@@ -62,23 +120,7 @@ def local_state_tensors(
     (a rank about to receive it). Tensors are returned as they are (views of the
     live storage), not copied; all must be contiguous.
     """
-    if allocate:
-        for optimizer in optimizers:
-            init_optimizer_state(optimizer)
-    state: dict[int, dict[str, Any]] = {}
-    for optimizer in optimizers:
-        for param, values in optimizer.state.items():
-            state[id(param)] = values
-    tensors: list[torch.Tensor] = []
-    for _, param in sorted(module.named_parameters(), key=lambda item: item[0]):
-        tensors.append(_local(param.data))
-        for key in sorted(state.get(id(param), {})):
-            value = state[id(param)][key]
-            if isinstance(value, torch.Tensor):
-                tensors.append(_local(value))
-    for t in tensors:
-        assert t.is_contiguous(), "local state tensors must be contiguous"
-    return tensors
+    return flat_tensors(live_params(module, optimizers, allocate=allocate))
 
 
 def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
@@ -89,6 +131,8 @@ def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         for d, s in zip(dst, src, strict=True):
             if d.shape != s.shape or d.dtype != s.dtype:
                 raise ValueError(f"state tensor {tuple(s.shape)}/{s.dtype} != {tuple(d.shape)}/{d.dtype}")
+            if d.numel() and d.data_ptr() == s.data_ptr() and d.stride() == s.stride():
+                continue  # the same storage (a survivor's adopted live state): nothing to move
             d.copy_(s)
 
 

@@ -7,6 +7,10 @@ ranks of its replica along the dim its FSDP2 plan shards, and the largest
 rank's share is counted (FSDP2 pads uneven shards). Activations and the
 transient all-gathered block are not counted: the fit check demands headroom
 for them instead.
+
+It also estimates the seed-only weight init per rank: the random elements the
+rank draws (about its shard, ``models.init``) times a per-element cost measured
+on one core of the dev machine (``INIT_NS_PER_ELEMENT``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ class MemoryPlan:
     param_bytes: int
     grad_bytes: int
     optim_bytes: int
+    init_draw_elements: int = 0  # random elements init_weights draws on shard rank 0 (the largest)
+    init_ns_per_element: float = 0.0
+
+    @property
+    def init_seconds(self) -> float:
+        """Estimated CPU seconds of ``init_weights`` on one rank."""
+        return self.init_draw_elements * self.init_ns_per_element * 1e-9
 
     @property
     def total_bytes(self) -> int:
@@ -64,6 +75,9 @@ class MemoryPlan:
             f"  gradients        {_size(self.grad_bytes)}",
             f"  optimizer state  {_size(self.optim_bytes)}  (AdamW exp_avg + exp_avg_sq)",
             f"  total            {_size(self.total_bytes)}  (activations not included)",
+            f"weight init:  ~{_duration(self.init_seconds)} per rank (estimate: "
+            f"{_count(self.init_draw_elements)} random draws x {self.init_ns_per_element} ns "
+            "on one CPU core)",
         ]
         return "\n".join(lines)
 
@@ -72,13 +86,18 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
+
+
 def _size(n: int) -> str:
     return f"{n / _GIB:10.2f} GiB" if n >= _GIB else f"{n / 1024**2:10.2f} MiB"
 
 
 def plan_job(job: JobConfig) -> MemoryPlan:
     """Build ``job``'s model on the meta device (no memory) and size its per-rank shards."""
-    from ckless_lightning.models import build_model, fsdp_shard_dims
+    from ckless_lightning.models import build_model, fsdp_shard_dims, init_draw_count
+    from ckless_lightning.models.init import INIT_NS_PER_ELEMENT
 
     with torch.device("meta"):
         model = build_model(job.model)
@@ -103,6 +122,8 @@ def plan_job(job: JobConfig) -> MemoryPlan:
         param_bytes=shard_elems * master,
         grad_bytes=shard_elems * master,
         optim_bytes=2 * shard_elems * master,
+        init_draw_elements=init_draw_count(model, dims, shard, shard_rank=0),
+        init_ns_per_element=INIT_NS_PER_ELEMENT,
     )
 
 

@@ -224,7 +224,8 @@ def _train_once(run: _RankRun) -> pl.Trainer:
         shard=job.cluster.shard,
         timeout=timedelta(seconds=job.comm.pg_timeout_s),
         generation=_generation(job, context, store) if store is not None and job.comm.rootless else None,
-        on_comm_phase=lambda name: run.phase(name, step=None),
+        on_phase=lambda name, **fields: run.phase(name, step=None, **fields),
+        weights_from_checkpoint=run.ckpt_path is not None,
     )
     trainer = build_trainer(job, callbacks=callbacks, strategy=strategy)
     trainer.fit(build_module(job), datamodule=run.datamodule, ckpt_path=run.ckpt_path)

@@ -1,8 +1,11 @@
 """CausalLMModule: next-token training of a Llama 3 or Mixtral model under FSDP2.
 
-The model is built on the meta device in ``configure_model``, sharded with its
-family's FSDP2 plan over the strategy's mesh, materialized and initialized from
-the seed alone (same full weights for any world size or mesh).
+The model is built on the meta device in ``configure_model`` and sharded with
+its family's FSDP2 plan over the strategy's mesh. ``CheckpointlessStrategy``
+then materializes it: allocated on the device, and initialized from the seed
+alone (``reset_parameters``: the same full weights for any world size or mesh)
+only when the fit does not restore a checkpoint. Under any other strategy the
+module materializes and initializes itself.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing_extensions import override
 
 from ckless_lightning.models import FSDPConfig, build_model, init_weights, parallelize_model
 from ckless_lightning.runtime.config import OptimConfig
+from ckless_lightning.training.strategy import CheckpointlessStrategy
 
 __all__ = ["CausalLMModule", "warmup_cosine"]
 
@@ -70,9 +74,16 @@ class CausalLMModule(pl.LightningModule):
             model = build_model(self.model_config)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             parallelize_model(model, self.device_mesh, cfg=self.fsdp_config)
-        model.to_empty(device=self.trainer.strategy.root_device)
-        init_weights(model, self.seed)
         self.model = model
+        if not isinstance(self.trainer.strategy, CheckpointlessStrategy):
+            model.to_empty(device=self.trainer.strategy.root_device)
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialize every weight from the seed (after materialization; the strategy skips it when
+        the fit restores a checkpoint)."""
+        assert self.model is not None, "configure_model() has not run"
+        init_weights(self.model, self.seed)
 
     @override
     def forward(self, tokens: torch.Tensor) -> Any:

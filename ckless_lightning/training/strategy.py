@@ -5,6 +5,16 @@ The strategy owns the (replicate, shard) DeviceMesh; the LightningModule's
 convention for ModelParallelStrategy). Disk checkpoints are sharded DCP
 checkpoints, saved and loaded by the parent class.
 
+Materialization: a LightningModule that leaves its model on the meta device in
+``configure_model`` and defines ``reset_parameters()`` (initialize every weight)
+is materialized here, in ``setup``: allocated on the device (derived buffers
+recomputed by each submodule's ``reset_buffers()``), and initialized only when
+the fit starts from scratch. A fit that restores (``weights_from_checkpoint``)
+skips the initialization, whose result the restore would overwrite; tier 4's
+survivors go further and adopt their live shards as the new parameters
+(:mod:`~ckless_lightning.replication.adopt`). Other modules are materialized by
+Lightning as usual.
+
 The recovery tiers do not extend this class: the in-process recovery loop
 (``ckless_lightning.recovery``) sits above it and builds one strategy per
 generation, handing it what that generation needs: the
@@ -16,6 +26,7 @@ restore path, ``load_checkpoint``). The strategy imports none of recovery.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -31,6 +42,7 @@ from typing_extensions import override
 
 from ckless_lightning.comm import Generation, init_generation_process_group
 from ckless_lightning.models import build_mesh, resolve_mesh
+from ckless_lightning.replication.adopt import allocate_buffers
 from ckless_lightning.replication.state import param_groups_of
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
@@ -45,6 +57,11 @@ class InMemoryState(Protocol):
 
     def attach(self) -> None:
         """Once per generation, after the default process group and the mesh exist."""
+
+    def adopt(self, module: torch.nn.Module) -> bool:
+        """On the model still on meta, before the optimizers exist: make this rank's live state its
+        parameters; False if there is none (the model is then allocated)."""
+        ...
 
     def restore(self, module: torch.nn.Module, optimizers: list[Optimizer]) -> dict[str, Any] | Path:
         """Collectively: the committed step's checkpoint dict (tensors already in place), or the disk
@@ -63,7 +80,11 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         generation: tier 1+: the job generation this rank is in; the process group is formed on
             the job store under the generation's prefix instead of through rank 0's rendezvous,
             and the mesh and timeout come from it (``replicate``/``shard``/``timeout`` are ignored).
-        on_comm_phase: called with "comm_init_start" / "comm_init_done" (the timeline).
+        on_phase: called with "comm_init_start" / "comm_init_done", and "model_ready" with
+            ``weights`` ("initialized", "allocated" or "adopted") and ``seconds`` (the timeline).
+        weights_from_checkpoint: ``fit`` is given a ``ckpt_path``: the weights and optimizer state
+            come from it, so the model is allocated, not initialized (a fit that then loads no
+            checkpoint raises before training).
         step_vote: tier 3+: called with the step in progress after its gradients are complete and
             clipped, before the update (see :meth:`optimizer_step`); raises to abandon the step.
         on_leave: tier 3+: called from :meth:`on_exception` while the process group still exists,
@@ -79,7 +100,8 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         timeout: timedelta = timedelta(minutes=10),
         *,
         generation: Generation | None = None,
-        on_comm_phase: Callable[[str], None] | None = None,
+        on_phase: Callable[..., None] | None = None,
+        weights_from_checkpoint: bool = False,
         step_vote: Callable[[int], None] | None = None,
         on_leave: Callable[[], None] | None = None,
         memory: InMemoryState | None = None,
@@ -98,7 +120,9 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._replicate = replicate
         self._shard = shard
         self._generation = generation
-        self._on_comm_phase = on_comm_phase or (lambda phase: None)
+        self._on_phase = on_phase or (lambda phase, **fields: None)
+        self._weights_from_checkpoint = weights_from_checkpoint
+        self._checkpoint_loaded = False
         self._step_vote = step_vote
         self._on_leave = on_leave
         self._memory = memory
@@ -125,7 +149,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._on_comm_phase("comm_init_start")
+        self._on_phase("comm_init_start")
         if self._generation is not None:
             gen = self._generation
             init_generation_process_group(
@@ -139,10 +163,43 @@ class CheckpointlessStrategy(ModelParallelStrategy):
                 init_timeout_s=gen.init_timeout_s,
             )
         init_distributed(self)  # Lightning's own init is skipped when the group exists already
-        self._on_comm_phase("comm_init_done")
+        self._on_phase("comm_init_done")
         install_device_mesh(self, build_mesh(self.root_device, self.mesh_shape))
         if self._memory is not None:
             self._memory.attach()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if callable(getattr(module, "reset_parameters", None)) and _has_meta_parameters(module):
+            self._materialize(module)
+        super().setup(trainer)  # Lightning's own materialization finds nothing left on meta
+
+    def _materialize(self, module: pl.LightningModule) -> None:
+        """Allocate the model on the device; initialize it only if no checkpoint will overwrite it."""
+        start = time.perf_counter()
+        if self._weights_from_checkpoint and self._memory is not None and self._memory.adopt(module):
+            weights = "adopted"
+            allocate_buffers(module, self.root_device)
+        else:
+            weights = "allocated" if self._weights_from_checkpoint else "initialized"
+            module.to_empty(device=self.root_device)
+        for sub in module.modules():
+            if sub is not module and callable(reset_buffers := getattr(sub, "reset_buffers", None)):
+                reset_buffers()
+        if not self._weights_from_checkpoint:
+            module.reset_parameters()  # type: ignore[operator]
+        self._on_phase("model_ready", weights=weights, seconds=round(time.perf_counter() - start, 6))
+
+    @override
+    def on_train_start(self) -> None:
+        if self._weights_from_checkpoint and not self._checkpoint_loaded:
+            raise RuntimeError(
+                "CheckpointlessStrategy(weights_from_checkpoint=True) but fit() loaded no checkpoint: the "
+                "weights were allocated, never initialized; pass ckpt_path to fit() or drop the flag"
+            )
+        super().on_train_start()
 
     @contextmanager
     def light_state(self) -> Iterator[None]:
@@ -169,6 +226,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Tier 4's ``MEMORY_CHECKPOINT`` is served from memory; anything else is a DCP checkpoint."""
+        self._checkpoint_loaded = True
         if checkpoint_path == MEMORY_CHECKPOINT:
             if self._memory is None:
                 raise ValueError(f"{MEMORY_CHECKPOINT} needs tier 4: build the strategy with memory=...")
@@ -207,6 +265,10 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         """Tier 3+: this rank leaves the generation (``on_leave``: peers' pending collectives fail now)."""
         if self._on_leave is not None:
             self._on_leave()
+
+
+def _has_meta_parameters(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
 
 
 class _CommitThenStep:
