@@ -212,10 +212,12 @@ class InProcessRecovery:
             trainer = None
             if datamodule is not None:
                 datamodule.trainer = None  # it would keep the old Trainer alive
+            start = time.perf_counter()
             gc.collect()
+            gc_s = round(time.perf_counter() - start, 6)
             # The steady state this recovery's memory is measured against (``memory_restore``).
             gen = self.session.generation
-            self._phase("state_released", gen, rss=rss_bytes(), peak_reset=reset_peak_rss())
+            self._phase("state_released", gen, rss=rss_bytes(), peak_reset=reset_peak_rss(), gc_s=gc_s)
 
     # -- pieces --------------------------------------------------------------------------------------
     def _strategy(self, gen: Generation, resume: str | Path | None) -> CheckpointlessStrategy:

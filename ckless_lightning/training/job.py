@@ -8,6 +8,7 @@ Tiers 0-2 run ``trainer.fit`` once; tiers 3-4 run it inside
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,6 +177,10 @@ def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer:
             t=context.spawn_time,
         )
     events.emit("rank_phase", rank=context.rank, gen=context.generation, phase="imports_done", step=None)
+    # Tiers 3-4 run a full garbage collection after every fault to free the old generation (its
+    # Trainer, module and groups sit in reference cycles): leave the imported modules' objects,
+    # which live as long as the process, out of it (llama3_tiny: 0.5 s -> 0.02 s per recovery).
+    gc.freeze()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.cluster.nproc_per_node))
     pl.seed_everything(job.seed, workers=True, verbose=False)
