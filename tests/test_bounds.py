@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ckless_lightning.agent.policies import silence_limit
 from ckless_lightning.comm import GenerationChanged, Heartbeat, JobStore, connect_store
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
+from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.runtime.config import AgentConfig
 
 
@@ -120,3 +121,24 @@ def test_agent_heartbeat_is_a_counter_not_a_clock(store):
     store.set_agent_heartbeat(1, 4)
     store.set_agent_heartbeat(1, 5)
     assert store.agent_heartbeat(1) == (5, 2)
+
+
+def test_generation_watch_cuts_a_rank_left_behind_and_nothing_else(store):
+    """The watch acts once the job moved past its generation and the rank did not leave within the
+    grace; stopped in time (the rank left on its own), it never acts."""
+    cuts: list[float] = []
+    timing = {"grace_s": 0.3, "poll_s": 0.05}
+    left_behind = GenerationWatch(store, 0, on_stuck=lambda: cuts.append(time.monotonic()), **timing)
+    leaves = GenerationWatch(store, 0, on_stuck=lambda: cuts.append(-1.0), **timing)
+    left_behind.start()
+    leaves.start()
+    time.sleep(0.2)
+    assert not cuts  # the generation has not moved
+    moved = time.monotonic()
+    store.advance_generation(0)
+    time.sleep(0.1)
+    leaves.stop()  # this rank started leaving within the grace
+    time.sleep(0.6)
+    left_behind.stop()
+    assert len(cuts) == 1 and 0.3 <= cuts[0] - moved < 0.3 + 0.3, cuts
+    assert left_behind.fired and not leaves.fired

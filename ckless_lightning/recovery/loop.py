@@ -49,6 +49,7 @@ from ckless_lightning.recovery.commit import StepCommit
 from ckless_lightning.recovery.memory import MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
+from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.replication import SnapshotCopies, Transfer
 from ckless_lightning.replication.state import live_params, params_are_optimized, reshard_all
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
@@ -125,6 +126,7 @@ class InProcessRecovery:
         self.settle_s = 0.0
         self.records = 0
         self.recoveries = 0
+        self.watch: GenerationWatch | None = None  # frees this rank if it stays in a generation left behind
         self.commit: StepCommit | None = None  # the current generation's vote (its cost: wait_s, votes)
         self.vote_s = 0.0
         self.votes = 0
@@ -188,17 +190,21 @@ class InProcessRecovery:
                 if left_after is not None and self.faults is not None:
                     self.faults.on_recovery(left_after)
                 gen = self.generation.next(self.session.join())
+                self._watch(gen.number)
                 left_after = None
                 if recovering:
                     resume = self._resume_point(ckpt_path)
                     self._phase("resume_chosen", gen.number, resumed_from=str(resume) if resume else None)
                 trainer = make_trainer(self._strategy(gen, resume), self._callbacks(gen.number))
                 trainer.fit(make_module(), datamodule=datamodule, ckpt_path=resume)
+                self._unwatch()
                 self._count_votes()
                 return trainer
             except JobGaveUp:
+                self._unwatch()
                 raise
             except Exception as err:  # any fault: leave this generation and rejoin the next
+                self._unwatch()
                 self._count_votes()
                 if trainer is not None:
                     self.session.completed_step = trainer.global_step
@@ -259,9 +265,28 @@ class InProcessRecovery:
         Tier 4 first lets a buddy exchange in flight finish (peers' gloo threads progress it even
         while they wait in a collective), so its copies stay usable.
         """
+        self._unwatch()
         self.session.beat_recovering()
         if self.snapshots is not None:
             self.snapshots.settle(timeout_s=_SETTLE_ON_LEAVE_S)
+        fail_fast(keep_ports={self.store.port})
+
+    def _watch(self, gen: int) -> None:
+        self.watch = GenerationWatch(self.store, gen, on_stuck=lambda: self._cut_stuck(gen))
+        self.watch.start()
+
+    def _unwatch(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
+    def _cut_stuck(self, gen: int) -> None:
+        """From the watch's thread: the job left generation ``gen`` and this rank is still in it."""
+        print(
+            f"rank {self.rank}: still in generation {gen} after the job moved on: cutting its connections",
+            file=sys.stderr,
+        )
+        self._phase("stuck_cut", gen)
         fail_fast(keep_ports={self.store.port})
 
     def _callbacks(self, gen: int) -> list[pl.Callback]:
