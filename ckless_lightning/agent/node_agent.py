@@ -17,7 +17,10 @@ stale ranks, silent nodes) and hands that to the tier's policy, which decides:
   generation; survivors recover in-process and move on by themselves.
 
 When all is well the pass keeps the batch cache reader running (tier 2+),
-refills the warm spares once training runs, fires due outside faults
+starts the warm spares once training runs and from then on keeps their pool
+full (:class:`~ckless_lightning.agent.processes.SparePool`: a spare taken, dead
+or stopped is replaced in the background, in a pass where every local rank
+trains), fires due outside faults
 (:class:`~ckless_lightning.runtime.outside_faults.OutsideFaultInjector`) and
 sleeps ``agent.monitor_interval``.
 
@@ -93,7 +96,7 @@ class NodeAgent:
         self.config_path = config_path
         self.run_dir = Path(job.run_dir)
         self.events = EventLog(self.run_dir / "events.jsonl", source=f"agent{self.node}")
-        self.spares = SparePool(self.cfg.spares)
+        self.spares = SparePool(self.cfg.spares, config_path=config_path, events=self.events)
         self.ranks: dict[int, RankProcess] = {}
         first = self.node * self.cluster.nproc_per_node
         self.local_ranks = list(range(first, first + self.cluster.nproc_per_node))
@@ -106,7 +109,7 @@ class NodeAgent:
         self.finished: set[int] = set()  # tiers 3-4: ranks that trained to the end, stopped by us
         self.store_port = 0
         self.batch_cache = BatchCacheService(job, prepared_path, self.local_ranks, self.events, start_step)
-        self._spares_due = False  # refill the spare pool once every local rank has done a step
+        self._spares_due = False  # fill the spare pool once every local rank has done a step
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
 
     # -- lifecycle -----------------------------------------------------------
@@ -215,11 +218,14 @@ class NodeAgent:
         )
 
     def _tend(self, gen: int, beats: Mapping[int, Heartbeat]) -> None:
-        """All is well: keep the batch cache reader running, refill spares, fire due outside faults."""
+        """All is well: keep the batch cache reader running, tend the spares, fire due outside faults."""
         self.batch_cache.keep_running()
-        if self._spares_due and all(beat.completed_step >= 0 for beat in beats.values()):
-            self.spares.fill()  # refill once training runs again, not while ranks start
+        # New spares start only while every local rank trains: not while ranks start or recover.
+        training = all(beat.completed_step >= 0 and beat.phase == "step" for beat in beats.values())
+        if self._spares_due and training:
+            self.spares.fill()
             self._spares_due = False
+        self.spares.tend(start=training)  # replaces a spare taken, dead or stopped (once filled)
         self.outside_faults.inject_due(
             gen, beats, pid_of=lambda rank: self.ranks[rank].pid, kill_ranks=self._kill_ranks
         )
@@ -327,7 +333,10 @@ class NodeAgent:
         self.ranks.clear()
 
     def refill_spares_later(self) -> None:
-        """Refill the warm spare pool once every local rank has done a step (not while ranks start)."""
+        """Fill the warm spare pool once every local rank has done a step (not while ranks start).
+
+        The first call starts the pool; afterwards the pool refills itself at every pass in which
+        the ranks train (:meth:`_tend`), and this only confirms it."""
         self._spares_due = self.cfg.spares > 0
 
     def _kill_ranks(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.contract import RankSpec, launcher_env
 
 __all__ = ["RankProcess", "SparePool", "is_stopped", "signal_session"]
@@ -74,8 +76,11 @@ class RankProcess:
     ) -> RankProcess:
         assert spare.stdin is not None
         assignment = {"env": spec.env(time.time()), "argv": argv}
-        spare.stdin.write((json.dumps(assignment) + "\n").encode())
-        spare.stdin.close()
+        try:
+            spare.stdin.write((json.dumps(assignment) + "\n").encode())
+            spare.stdin.close()
+        except BrokenPipeError:  # it died since it was taken: its exit shows as this rank's failure
+            pass
         return cls(spec, spare, log_dir, warm=True)
 
     def poll(self) -> int | None:
@@ -119,40 +124,219 @@ def _copy(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
 
 
 class SparePool:
-    """Warm processes with torch, Lightning and the project imported, waiting on stdin for a rank.
+    """Warm spares: processes prepared for this job's ranks, each waiting on stdin to be handed one.
 
-    ``take`` hands one out (or None) and starts a replacement in the background,
-    so the pool stays at ``size``. A spare's imports overlap training.
+    A spare (``python -m ckless_lightning.spare --config CONFIG --ready-fd FD``) parses the job's
+    config, imports the whole rank path and looks the prepared dataset up, then writes a line to
+    ``FD`` (a pipe to this pool) and waits; a rank it is handed skips all of that. :meth:`take`
+    hands out a ready spare first; one still preparing only if none is (it is further along
+    than a new process).
+
+    :meth:`fill` starts the pool; from then on it keeps itself at ``size``: :meth:`tend` (every
+    supervision pass of the agent) drops spares that died or were stopped (a stopped one is
+    killed) and starts the missing ones, those :meth:`take` handed out included. The agent lets
+    spares start only while its ranks train (``tend(start=False)`` otherwise), so a new spare
+    never competes for CPU with the ranks' start or with the recovery the taken spare serves (on
+    2 CPU cores, a spare starting at the take delayed the survivors' join by ~0.3-0.5 s); the
+    replacement of a taken spare starts once every local rank trains again (its first batch
+    after the recovery). Spares are started by one background thread, one at a time, so no pass
+    waits for a process to start. A spare that exited by itself (it could not start) is replaced
+    after a back-off that doubles each time, up to ``max_backoff_s``. :meth:`close` kills every
+    spare, including one being started.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(
+        self,
+        size: int,
+        *,
+        config_path: str | Path | None = None,
+        events: EventLog | None = None,
+        command: list[str] | None = None,
+        max_backoff_s: float = 60.0,
+    ) -> None:
+        """``config_path``: the job's resolved config, for every spare to prepare; ``events``: where
+        ``spare_started`` / ``spare_lost`` go; ``command``: the spare's command line before
+        ``--ready-fd FD`` (default ``python -m ckless_lightning.spare [--config CONFIG]``)."""
         self.size = size
-        self._spares: list[subprocess.Popen[bytes]] = []
+        self.events = events
+        self.max_backoff_s = max_backoff_s
+        config = ["--config", str(config_path)] if config_path is not None else []
+        self._command = command or [sys.executable, "-m", "ckless_lightning.spare", *config]
+        self._lock = threading.Lock()  # guards everything below but the back-off
+        self._spares: list[subprocess.Popen[bytes]] = []  # oldest first
+        self._ready_fds: dict[int, int] = {}  # pid -> read end of its ready pipe, until it said ready
+        self._ready: set[int] = set()  # pids of spares that said they are ready
+        self._starting = 0  # spares being started by the background thread
+        self._starter: threading.Thread | None = None
+        self._active = False  # fill() was called: keep the pool at size from now on
+        self._closed = False
+        self._failures = 0  # spares in a row that exited by themselves
+        self._not_before = 0.0  # time.monotonic() before which no replacement starts (back-off)
+
+    def __len__(self) -> int:
+        """Spares alive or being started."""
+        with self._lock:
+            return sum(p.poll() is None for p in self._spares) + self._starting
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live spares, oldest first."""
+        with self._lock:
+            return [p.pid for p in self._spares if p.poll() is None]
+
+    def ready_pids(self) -> list[int]:
+        """Pids of the live spares that are prepared and waiting for a rank, oldest first."""
+        with self._lock:
+            return [p.pid for p in self._spares if p.poll() is None and self._is_ready(p)]
 
     def fill(self) -> None:
-        while len(self._spares) < self.size:
-            self._spares.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "ckless_lightning.spare"],
-                    env=launcher_env(),
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        """Start spares up to ``size`` (in the background), and keep the pool at ``size`` from now on."""
+        self._active = True
+        self.tend(start=True)
 
     def take(self) -> subprocess.Popen[bytes] | None:
-        """A running spare (dead or stopped ones are dropped, a stopped one killed), or None."""
-        for proc in self._spares:
+        """A running spare, or None: the oldest ready one, else the oldest still preparing. Dead and
+        stopped spares are dropped (a stopped one killed). Its replacement starts at the next
+        ``tend(start=True)``."""
+        self._drop_lost()
+        with self._lock:
+            ready = [p for p in self._spares if self._is_ready(p)]
+            spare = ready[0] if ready else (self._spares[0] if self._spares else None)
+            if spare is not None:
+                self._spares.remove(spare)
+                self._ready.discard(spare.pid)
+                fd = self._ready_fds.pop(spare.pid, None)
+                if fd is not None:
+                    os.close(fd)
+        if spare is not None:
+            self._failures = 0
+        return spare
+
+    def tend(self, *, start: bool = True) -> None:
+        """Drop spares that died or were stopped (killed); with ``start`` (and once :meth:`fill` was
+        called), start the missing ones in the background. Returns at once."""
+        self._drop_lost()
+        if start:
+            self._refill_later()
+
+    def close(self) -> None:
+        """Kill every spare, including one being started; the pool starts nothing afterwards."""
+        with self._lock:
+            self._closed = True
+            starter = self._starter
+        if starter is not None:
+            starter.join()
+        with self._lock:
+            spares, self._spares = self._spares, []
+            fds, self._ready_fds = list(self._ready_fds.values()), {}
+            self._ready.clear()
+        for proc in spares:
+            signal_session(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for fd in fds:
+            os.close(fd)
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _is_ready(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether ``proc`` said it is ready (reads its pipe without blocking); call with the lock."""
+        if proc.pid in self._ready:
+            return True
+        fd = self._ready_fds.get(proc.pid)
+        if fd is None:
+            return False
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        said = os.read(fd, 64)  # a line, or b"" if it exited before saying anything
+        os.close(fd)
+        del self._ready_fds[proc.pid]
+        if said:
+            self._ready.add(proc.pid)
+        return bool(said)
+
+    def _drop_lost(self) -> None:
+        """Forget spares that are gone (a stopped one is killed first); note one that exited by itself."""
+        with self._lock:
+            spares = list(self._spares)
+        lost = []
+        for proc in spares:
             if proc.poll() is None and is_stopped(proc.pid):
                 signal_session(proc.pid, signal.SIGKILL)
                 proc.wait()
-        self._spares = [p for p in self._spares if p.poll() is None]
-        return self._spares.pop(0) if self._spares else None
+                lost.append((proc, "stopped"))
+            elif proc.poll() is not None:
+                lost.append((proc, "exited"))
+        if not lost:
+            return
+        with self._lock:
+            for proc, _ in lost:
+                self._spares.remove(proc)
+                self._ready.discard(proc.pid)
+                fd = self._ready_fds.pop(proc.pid, None)
+                if fd is not None:
+                    os.close(fd)
+        for proc, why in lost:
+            code = proc.returncode
+            if why == "exited" and code is not None and code >= 0:  # not killed: it could not start
+                self._failures += 1
+                backoff = min(self.max_backoff_s, 2.0 ** (self._failures - 1))
+                self._not_before = time.monotonic() + backoff
+            if self.events is not None:
+                self.events.emit("spare_lost", pid=proc.pid, reason=why, exit_code=code)
 
-    def close(self) -> None:
-        for proc in self._spares:
+    def _refill_later(self) -> None:
+        """Start the missing spares in the background thread (if the pool is active and not backing off)."""
+        with self._lock:
+            if not self._active or self._closed or (self._starter is not None and self._starter.is_alive()):
+                return
+            missing = self.size - len(self._spares)
+            if missing <= 0 or time.monotonic() < self._not_before:
+                return
+            self._starting = missing  # counted by len() from now on
+            self._starter = threading.Thread(
+                target=self._refill, args=(missing,), name="spare-refill", daemon=True
+            )
+            self._starter.start()
+
+    def _refill(self, count: int) -> None:
+        try:
+            for _ in range(count):
+                self._start_one()
+        finally:
+            with self._lock:
+                self._starting = 0
+
+    def _start_one(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        read_fd, write_fd = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [*self._command, "--ready-fd", str(write_fd)],
+                env=launcher_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        with self._lock:
+            self._starting -= 1
+            closed = self._closed
+            if not closed:
+                self._spares.append(proc)
+                self._ready_fds[proc.pid] = read_fd
+        if closed:  # close() ran while it started
+            os.close(read_fd)
             signal_session(proc.pid, signal.SIGKILL)
             proc.wait()
-        self._spares.clear()
+            return
+        if self.events is not None:
+            self.events.emit("spare_started", pid=proc.pid)

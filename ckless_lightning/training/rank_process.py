@@ -3,36 +3,162 @@
 Both the rank entry point (``python -m ckless_lightning.rank``) and a warm spare
 that was handed a rank (``python -m ckless_lightning.spare``) end up in
 :func:`run_rank_process`, so neither entry point imports the other.
+
+A warm spare first calls :func:`prepare_rank`: everything of the rank path that
+does not depend on the rank (the job's config parsed and validated, every module
+the rank will import, the prepared dataset looked up), so that once it is handed
+a rank it goes straight to joining the job's generation. The hand-over is on the
+record (``rank_phase`` events ``spare_handed`` and ``spare_ready``, and
+``spare_imports``: what the rank still had to import after it; see
+:func:`run_rank_process`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from ckless_lightning.runtime.config import job_config_from_dict
+from ckless_lightning.record.events import EventLog
+from ckless_lightning.runtime.config import JobConfig, job_config_from_dict
 from ckless_lightning.runtime.contract import ExitCode, RankContext, is_peer_failure
 from ckless_lightning.training.job import train_rank
 
-__all__ = ["run_rank_process"]
+__all__ = ["Handover", "PreparedRank", "load_job", "prepare_rank", "run_rank_process"]
+
+# What the rank path imports after ``training.job`` is imported: lazily, on the first Trainer, fit,
+# process group, FSDP2 sharding, checkpoint save or load, memory restore. Found by comparing
+# ``sys.modules`` of ranks at the end of training (tiers 0-4, cold and from spares, rank 0 and
+# others) with a prepared spare's; tests/test_spares.py fails when the list falls behind (a
+# module a spare-born rank imports after its hand-over). A name that does not import (an optional
+# package, another torch version) is skipped.
+RANK_PATH_MODULES: tuple[str, ...] = (
+    "faulthandler",
+    "multiprocessing.synchronize",
+    "torch.distributed._tensor",
+    "torch.distributed.checkpoint",  # and its imports: torch.distributed.elastic, ...
+    "torch.distributed.checkpoint._fsspec_filesystem",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.elastic.agent.server.local_elastic_agent",
+    "torch.distributed.tensor.experimental",
+    "torch.nn.attention.flex_attention",
+    "torch.numa.binding",
+    "torch.profiler._cupti_monitor",
+    "torch.utils._sympy.reference",
+    "torch.utils.serialization.config",
+)
 
 
-def run_rank_process(config_path: str | Path, context: RankContext) -> int:
+def load_job(config_path: str | Path) -> JobConfig:
+    """The resolved YAML that launch.py wrote, parsed and validated."""
+    container = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
+    assert isinstance(container, dict)
+    return job_config_from_dict(container)
+
+
+@dataclass(frozen=True)
+class PreparedRank:
+    """What a warm spare built before it was handed a rank (:func:`prepare_rank`)."""
+
+    config_path: Path
+    job: JobConfig
+    prepare_s: float  # seconds :func:`prepare_rank` took
+    modules: int  # len(sys.modules) once prepared
+
+    def matches(self, config_path: str | Path) -> bool:
+        return Path(config_path).resolve() == self.config_path
+
+
+def prepare_rank(config_path: str | Path) -> PreparedRank:
+    """Everything of the rank path that does not depend on the rank, for a warm spare to do first.
+
+    Parses and validates the job's config (which imports the model family), imports the modules
+    the rank path imports lazily (:data:`RANK_PATH_MODULES`: distributed checkpointing and what it
+    pulls in, DTensor's experimental parts, ...; Lightning's Trainer and loop internals come with
+    ``training.job``), and looks the prepared dataset up, which warms its files and directory
+    entries in the page cache (every rank repeats the look-up in its data module's ``setup``).
+    Nothing here touches the job's store, ports or run directory.
+    """
+    started = time.perf_counter()
+    path = Path(config_path).resolve()
+    job = load_job(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation shims of modules the rank never uses directly
+        for name in RANK_PATH_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                continue
+    _warm_data(job)
+    return PreparedRank(path, job, time.perf_counter() - started, len(sys.modules))
+
+
+def _warm_data(job: JobConfig) -> None:
+    """Look the prepared dataset up (a cache hit: launch.py prepared it) and, when the ranks read it
+    directly (no batch cache), memory-map it once: rank-independent, and it warms the page cache."""
+    from ckless_lightning.data import load_prepared, prepare_dataset
+
+    try:
+        prepared = prepare_dataset(job.data)
+        if not job.data.mmap_cache:
+            load_prepared(prepared.path)
+    except Exception as err:  # only a warm-up: the rank reports the problem when it gets there
+        print(f"spare: could not look up the prepared dataset ({err})", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Handover:
+    """The moment a warm spare read its rank assignment, and the modules it had imported by then."""
+
+    t: float
+    modules: frozenset[str]
+
+    @classmethod
+    def now(cls) -> Handover:
+        return cls(time.time(), frozenset(sys.modules))
+
+    def imported_since(self) -> list[str]:
+        """Modules imported after the hand-over (a fully prepared spare: none)."""
+        return sorted(set(sys.modules) - self.modules)
+
+
+def run_rank_process(
+    config_path: str | Path,
+    context: RankContext,
+    *,
+    prepared: PreparedRank | None = None,
+    handover: Handover | None = None,
+) -> int:
     """Train this rank of the job in ``config_path`` (the YAML launch.py resolved); returns the exit code.
+
+    ``prepared``: what a warm spare prepared for this config (used if it is the same file);
+    ``handover``: when a warm spare was handed this rank. A spare-born rank emits ``rank_phase``
+    ``spare_handed`` (t = when the spare read its assignment) and ``spare_ready`` (about to train
+    the rank; ``handover_s``: seconds since the agent handed it the rank, the ``process_start``
+    time; ``modules``: modules imported at the hand-over), and after training ``spare_imports``
+    (``count`` and the first ``names`` of modules it imported after the hand-over).
 
     Tiers 3-4 end the process themselves (``os._exit``) after the final checkpoint. A collective
     failing because a peer went away is :attr:`ExitCode.PEER_FAILED` (the agent blames the peer);
     any other error propagates.
     """
-    container = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
-    assert isinstance(container, dict)
-    job = job_config_from_dict(container)
+    if prepared is not None and prepared.matches(config_path):
+        job = prepared.job
+    else:
+        job = load_job(config_path)
+    if handover is not None:
+        _report_handover(job, context, handover)
     try:
         train_rank(job, context)
+        if handover is not None:
+            _report_late_imports(job, context, handover)
         if job.tier >= 3:
             _drop_process_group()
             _report_resources(job, context)
@@ -43,6 +169,43 @@ def run_rank_process(config_path: str | Path, context: RankContext) -> int:
         print(f"rank {context.rank}: a peer went away ({type(err).__name__}: {err})", file=sys.stderr)
         return ExitCode.PEER_FAILED
     return ExitCode.OK
+
+
+def _events(job: JobConfig, context: RankContext) -> EventLog:
+    return EventLog(Path(job.run_dir) / "events.jsonl", source=f"rank{context.rank}")
+
+
+def _report_handover(job: JobConfig, context: RankContext, handover: Handover) -> None:
+    events = _events(job, context)
+    phase = {"rank": context.rank, "gen": context.generation, "step": None}
+    events.emit("rank_phase", **phase, phase="spare_handed", t=handover.t)
+    now = time.time()
+    events.emit(
+        "rank_phase",
+        **phase,
+        phase="spare_ready",
+        t=now,
+        handover_s=round(now - context.spawn_time, 6),
+        modules=len(handover.modules),
+    )
+
+
+# A spare_imports record lists module names up to this many characters (records stay small).
+_NAMES_CHARS = 2000
+
+
+def _report_late_imports(job: JobConfig, context: RankContext, handover: Handover) -> None:
+    late = handover.imported_since()
+    names: list[str] = []
+    size = 0
+    for name in late:
+        size += len(name) + 4
+        if size > _NAMES_CHARS:
+            break
+        names.append(name)
+    _events(job, context).emit(
+        "spare_imports", rank=context.rank, gen=context.generation, count=len(late), names=names
+    )
 
 
 def _drop_process_group() -> None:
@@ -89,11 +252,9 @@ def _report_resources(job: Any, context: RankContext) -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import Backend
 
-    from ckless_lightning.record.events import EventLog
-
     gc.collect()
     sockets = psutil.Process().net_connections(kind="tcp")
-    EventLog(Path(job.run_dir) / "events.jsonl", source=f"rank{context.rank}").emit(
+    _events(job, context).emit(
         "rank_end",
         rank=context.rank,
         pid=os.getpid(),
