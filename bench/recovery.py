@@ -10,7 +10,7 @@ Every fault row trains the same recipe on 4 local ranks with a checkpoint every
 
 - torchrun: ``torchrun --standalone --max-restarts 3`` over the same rank entry
   point and config, resuming from Lightning's last checkpoint: what a user
-  would run today;
+  would run today (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see below);
 - tier 0: our agent, all ranks restarted cold, rendezvous through rank 0;
 - tier 1: the job store in the agent, process groups per generation prefix;
 - tier 1 + spares: as tier 1, and the restarted ranks are warm spares (imports done);
@@ -27,10 +27,14 @@ tiers 3-4 a surviving rank); restart = fault to the last new process started
 (or warm spare given its rank); imports, comm init, ckpt load (model build +
 state restore: checkpoint, or peers' memory at tier 4), data ready = the
 slowest new rank's phase; lost = steps redone; total = fault to the first
-completed step after it. torchrun does not report its detection, so its row
-has none. On torch 2.13 with gloo, torchrun's restarted workers fail to re-form
-the process group (connectFullMesh refused: they read the previous attempt's
-addresses); the row then says so.
+completed step after it. torchrun's detection is the time its agent logged the
+failed worker. On torch 2.13, torchrun's agent keeps one TCPStore for all
+restarts and the workers' env:// rendezvous reuses its keys, so restarted gloo
+workers read the previous attempt's addresses (connectFullMesh refused; a torch
+bug, reproduced without this project by ``bench/torchrun_gloo_restart_repro.py``);
+the row runs torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, torch's
+opt-out of that sharing (rank 0 of each attempt then hosts a fresh store). A row
+that still fails says why.
 
 Then, from three more runs without a fault (tier 0, tier 3, tier 4 buddy) and
 two micro-benchmarks, the figures after the table: the commit vote's share of
@@ -45,6 +49,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
@@ -155,8 +161,19 @@ def run_torchrun(run_dir: Path, args: argparse.Namespace) -> tuple[FaultRecovery
         "--config",
         str(run_dir / "config.yaml"),
     ]
+    # torch 2.13's torchrun keeps one agent-hosted TCPStore for every restart, and its workers' env://
+    # rendezvous uses it with the same keys each attempt: the restarted gloo workers read the previous
+    # attempt's addresses (connectFullMesh refused; bench/torchrun_gloo_restart_repro.py). With the
+    # store unshared, rank 0 of each attempt hosts a fresh one, as before torch 2.5.
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=run_dir,
+        env=env,
+        start_new_session=True,
     )
     try:
         _, stderr = proc.communicate(timeout=args.torchrun_timeout)
@@ -165,8 +182,13 @@ def run_torchrun(run_dir: Path, args: argparse.Namespace) -> tuple[FaultRecovery
         return _torchrun_failure(stderr, f"no result after {args.torchrun_timeout:g} s")
     finally:
         _kill_leftovers(run_dir / "config.yaml")
+    (run_dir / "torchrun.log").write_text(stderr)
     if proc.returncode:
         return _torchrun_failure(stderr, f"exit code {proc.returncode}")
+    detected = _torchrun_detection(stderr)
+    if detected is not None:
+        t, rank, exit_code = detected
+        log.emit("fault_detected", by="torchrun", rank=rank, reason="exit", exit_code=exit_code, gen=0, t=t)
     log.emit("job_end", exit_code=0)
     # torchrun numbers its restarts (TORCHELASTIC_RESTART_COUNT, our ranks' "gen") but does not
     # log them: mark generation 1 where its first process started, so the summary can split phases.
@@ -177,6 +199,27 @@ def run_torchrun(run_dir: Path, args: argparse.Namespace) -> tuple[FaultRecovery
     ]
     log.emit("generation", gen=1, reason="torchrun restart", t=min(starts))
     return only_fault(run_dir)
+
+
+# torchrun's agent logs the first worker it found failed, e.g.
+# "E1130 17:11:00.769000 3137 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9)
+# local_rank: 1 (pid: 3143) of binary: ..." (local time, no year).
+_TORCHRUN_FAILED = re.compile(
+    r"^[EWI](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d+) .*\] failed \(exitcode: (-?\d+)\) local_rank: (\d+)"
+)
+
+
+def _torchrun_detection(output: str) -> tuple[float, int, int] | None:
+    """When torchrun's agent noticed the first failed worker (epoch seconds), its local rank and exit code."""
+    for line in output.splitlines():
+        match = _TORCHRUN_FAILED.match(line.strip())
+        if match is None:
+            continue
+        month, day, hour, minute, sec, frac, code, rank = match.groups()
+        year = time.localtime().tm_year
+        stamp = time.mktime((year, int(month), int(day), int(hour), int(minute), int(sec), 0, 0, -1))
+        return stamp + float(f"0.{frac}"), int(rank), int(code)
+    return None
 
 
 def _stop_torchrun(proc: subprocess.Popen[str]) -> tuple[str, str]:
