@@ -400,3 +400,45 @@ def test_params_are_optimized_rejects_a_swapped_or_stateless_parameter():
     optimizer.state[model[1].bias] = {}
     model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())  # what an unsharded view is
     assert not params_are_optimized(model, [optimizer])
+
+
+def _listing_outlives_an_unshard(rank: int, world_size: int) -> tuple[bool, bool, bool, bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ckless_lightning.replication import SnapshotCopies
+    from ckless_lightning.replication.state import params_are_optimized
+    from ckless_lightning.training.callbacks.snapshot import SnapshotCallback
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    callback = SnapshotCallback(SnapshotCopies(rank, world_size, "hsdp"))
+    callback.state_tensors(model, [optimizer])  # what the snapshot after the step lists
+    sharded = {name: p.to_local().data_ptr() for name, p in model.named_parameters()}
+    model[0].unshard()  # what a fault inside FSDP2's all-gather can leave registered
+    registered_ok = params_are_optimized(model, [optimizer])
+    live = callback.live_params(model, [optimizer])
+    assert live is not None
+    same_storage = all(p.local.data_ptr() == sharded[p.name] for p in live)
+    with_state = all(set(p.state) == {"step", "exp_avg", "exp_avg_sq"} for p in live)
+    other = torch.optim.AdamW(model.parameters())
+    return registered_ok, same_storage, with_state, callback.live_params(model, [other]) is None
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_listing_outlives_unsharded_registration():
+    """The live state a survivor offers is the snapshot's listing of the optimizer's sharded
+    tensors, not what the module has registered when the fault hit (its unsharded parameters,
+    after a fault inside an all-gather): such a rank keeps its shard (a 300M HSDP run lost both
+    copies of a shard when the other replica's ranks were cut mid-step)."""
+    for registered_ok, same_storage, with_state, other_is_none in run_ranks(_listing_outlives_an_unshard, 2):
+        assert not registered_ok  # registration alone no longer says what the optimizer steps
+        assert same_storage and with_state and other_is_none
+

@@ -26,6 +26,19 @@ line N of ``losses.jsonl``. The kinds and their fields:
     ``error``: what this rank saw), ``generation_left`` (its process group dropped),
     ``generation_joined`` (gen = the new generation: every rank is in it), and
     ``resume_chosen`` (``resumed_from``: the checkpoint, or "memory" at tier 4).
+    Also: ``model_ready`` {weights: "initialized" | "allocated" | "adopted", seconds}
+    (the strategy materialized the model), ``state_released`` {rss, peak_reset, gc_s} (the
+    old generation is gone: the steady state a recovery's memory is measured against),
+    ``live_captured`` {trusted, why} (tier 4, on leaving a generation: whether this rank
+    offers its live state to the recovery, and why not), ``stuck_cut`` (the rank's
+    generation watch cut its connections: it was still in a generation the job had left),
+    ``spare_handed`` / ``spare_ready`` {handover_s, modules} (a prepared spare took the rank).
+``spare_started`` {pid}, ``spare_prepared`` {pid, start_s, prepare_s, modules}, ``spare_lost``
+{pid, reason, exit_code}
+    The agent started a spare; the spare is ready to be handed a rank; a spare died or was
+    stopped before it was handed one (the pool replaces it).
+``spare_imports`` {rank, gen, count, names}
+    After training, a rank a spare took: the modules it still imported after the hand-over.
 ``fault_injected`` {rank, step, phase, fault_type, injected_by: "inside" | "outside"}
     A test fault hit ``rank`` during optimizer step ``step`` (its ``phase``:
     forward, backward, ...); steps 1..step-1 were complete.
@@ -39,10 +52,12 @@ completed_step: int | None}
     The agent of ``node`` stopped these ranks of generation ``gen``.
 ``generation`` {gen, reason}
     The job moved to generation ``gen`` (an agent, or at tiers 3-4 the first rank to leave).
-``commit_votes`` {rank, votes, vote_s, recoveries, snapshots, snapshot_s, exchange_wait_s, host_copy_bytes}
+``commit_votes`` {rank, votes, vote_s, vote_cpu_s, recoveries, snapshots, snapshot_s, snapshot_cpu_s,
+exchange_wait_s, host_copy_bytes}
     Tiers 3-4, at the end of a rank's training: the commit votes it cast and the
-    seconds spent in them, its in-process recoveries, and (tier 4) its per-step
-    snapshots, their cost, the wait for buddy exchanges and the host memory of copies.
+    seconds spent in them (wall, and CPU time of the rank's main thread), its in-process
+    recoveries, and (tier 4) its per-step snapshots, their cost (wall and CPU), the wait
+    for buddy exchanges and the host memory of copies.
 ``memory_restore`` {rank, gen, step, lost, sources, rollback, reason, fallback?}
     Tier 4, per rank and recovery: the committed step restored (None: fell back to
     the disk checkpoint ``fallback``), the lost ranks, the (source, destination)
@@ -92,6 +107,10 @@ EVENT_KINDS = (
     "memory_restore",
     "transfer_rejected",
     "rank_end",
+    "spare_started",
+    "spare_prepared",
+    "spare_lost",
+    "spare_imports",
 )
 
 RECOVERY_PHASES = ("recovery_start", "generation_left", "generation_joined", "resume_chosen")

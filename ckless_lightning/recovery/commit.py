@@ -25,23 +25,25 @@ class StepCommit:
     """One generation's vote. ``vote(step)`` returns once the step is committed, else raises.
 
     Called once per optimizer step by every rank, after the gradient clipping
-    and before the update, with the step in progress (1-based). ``wait_s`` /
-    ``votes`` accumulate the cost.
+    and before the update, with the step in progress (1-based). ``wait_s`` (wall),
+    ``cpu_s`` (this thread's CPU) and ``votes`` accumulate the cost.
     """
 
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
         self.wait_s = 0.0
+        self.cpu_s = 0.0  # this thread's CPU time in votes (the store round trips and polling)
         self.votes = 0
 
     def vote(self, step: int) -> None:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         store, gen = self.generation.store, self.generation.number
         if store.vote(gen, step) >= self.generation.world_size:
             decision = store.decide(gen, step, "commit")
         else:
             decision = self._wait(step)
         self.wait_s += time.perf_counter() - start
+        self.cpu_s += time.thread_time() - cpu_start
         self.votes += 1
         if decision != b"commit":
             raise GenerationChanged(gen, store.generation(), f"voting on step {step}: abandoned")

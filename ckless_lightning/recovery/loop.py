@@ -51,7 +51,7 @@ from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
 from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.replication import SnapshotCopies, Transfer
-from ckless_lightning.replication.state import live_params, params_are_optimized, reshard_all
+from ckless_lightning.replication.state import LiveParam, live_params, params_are_optimized, reshard_all
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 from ckless_lightning.runtime.contract import RankContext, is_peer_failure
 from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
@@ -123,12 +123,14 @@ class InProcessRecovery:
         self.bucket_bytes = bucket_bytes
         self.snapshot_callback: SnapshotCallback | None = None  # the current generation's (its cost)
         self.record_s = 0.0
+        self.record_cpu_s = 0.0
         self.settle_s = 0.0
         self.records = 0
         self.recoveries = 0
         self.watch: GenerationWatch | None = None  # frees this rank if it stays in a generation left behind
         self.commit: StepCommit | None = None  # the current generation's vote (its cost: wait_s, votes)
         self.vote_s = 0.0
+        self.vote_cpu_s = 0.0
         self.votes = 0
 
     @classmethod
@@ -328,7 +330,9 @@ class InProcessRecovery:
         """Tier 4: keep views of this rank's live tensors if they hold its last recorded step.
 
         Trusted only when this rank's own code did not fail (the error came from a lost peer or
-        a changed generation) and no optimizer step completed after the last snapshot.
+        a changed generation) and no optimizer step completed after the last snapshot. The views
+        are the ones the snapshot listed (the optimizer's sharded parameters and their state),
+        whatever a fault inside an FSDP2 collective left registered on the module.
         """
         if self.snapshots is None:
             return
@@ -341,24 +345,35 @@ class InProcessRecovery:
                 self.snapshots.capture_live(None, trusted=False)
             self._collect_snapshot_cost()
             return
-        module = trainer.lightning_module if trainer is not None else None
-        trusted = (
-            module is not None and not_ours and self.snapshots.live_step == trainer.global_step  # type: ignore[union-attr]
-        )
-        params = None
-        if trusted:
-            reshard_all(module)  # type: ignore[arg-type]
-            # A fault inside FSDP2's all-gather can leave a block's unsharded parameters registered
-            # even after reshard(): those are not what the optimizer steps, so not a capture.
-            trusted = params_are_optimized(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
-        if trusted:
-            params = live_params(module, trainer.optimizers)  # type: ignore[arg-type, union-attr]
-        self.snapshots.capture_live(params, trusted=trusted)
+        params, why = self._live_state(trainer, not_ours)
+        self.snapshots.capture_live(params, trusted=params is not None)
+        self._phase("live_captured", self.session.generation, trusted=params is not None, why=why)
         self._collect_snapshot_cost()
+
+    def _live_state(self, trainer: pl.Trainer | None, not_ours: bool) -> tuple[list[LiveParam] | None, str]:
+        """This rank's live state to offer its peers, or None and why not."""
+        if trainer is None:
+            return None, "no trainer"
+        if not not_ours:
+            return None, "this rank's own code failed"
+        assert self.snapshots is not None
+        if self.snapshots.live_step != trainer.global_step:
+            return None, f"step {trainer.global_step} is not the recorded step {self.snapshots.live_step}"
+        module, optimizers = trainer.lightning_module, trainer.optimizers
+        if self.snapshot_callback is not None:
+            listed = self.snapshot_callback.live_params(module, optimizers)
+            if listed is not None:
+                return listed, "as recorded"
+        # No snapshot of this generation listed them: the module must be back in its sharded state.
+        reshard_all(module)
+        if not params_are_optimized(module, optimizers):
+            return None, "registered parameters are not the optimized ones"
+        return live_params(module, optimizers), "listed after the fault"
 
     def _collect_snapshot_cost(self) -> None:
         if self.snapshot_callback is not None:
             self.record_s += self.snapshot_callback.record_s
+            self.record_cpu_s += self.snapshot_callback.record_cpu_s
             self.settle_s += self.snapshot_callback.settle_s
             self.records += self.snapshot_callback.records
             self.snapshot_callback = None
@@ -373,6 +388,7 @@ class InProcessRecovery:
     def _count_votes(self) -> None:
         if self.commit is not None:
             self.vote_s += self.commit.wait_s
+            self.vote_cpu_s += self.commit.cpu_s
             self.votes += self.commit.votes
             self.commit = None
 

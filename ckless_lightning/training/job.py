@@ -280,9 +280,11 @@ def _train_in_process(run: _RankRun) -> pl.Trainer:
             rank=context.rank,
             votes=recovery.votes,
             vote_s=round(recovery.vote_s, 6),
+            vote_cpu_s=round(recovery.vote_cpu_s, 6),
             recoveries=recovery.recoveries,
             snapshots=recovery.records,
             snapshot_s=round(recovery.record_s, 6),
+            snapshot_cpu_s=round(recovery.record_cpu_s, 6),
             exchange_wait_s=round(recovery.settle_s, 6),
             host_copy_bytes=snapshots.host_bytes() if snapshots is not None else 0,
         )

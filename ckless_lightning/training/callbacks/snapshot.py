@@ -27,7 +27,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ckless_lightning.replication import SnapshotCopies
-from ckless_lightning.replication.state import local_state_tensors, rng_state
+from ckless_lightning.replication.state import (
+    LiveParam,
+    flat_tensors,
+    live_params,
+    params_are_optimized,
+    rng_state,
+)
 from ckless_lightning.training._lightning_compat import dump_training_state
 from ckless_lightning.training.steps import is_step_end
 
@@ -43,9 +49,11 @@ class SnapshotCallback(pl.Callback):
         self.snapshots = snapshots
         self.on_first_record = on_first_record
         self.record_s = 0.0  # taking snapshots (dump, pickle, host copy, posting the exchange)
+        self.record_cpu_s = 0.0  # the same, in this thread's CPU time (what it costs on busy cores)
         self.settle_s = 0.0  # waiting for the exchange before the next step
         self.records = 0
-        self._tensors: list[torch.Tensor] = []  # the live local tensors, listed once (see _state_tensors)
+        self._live: list[LiveParam] | None = None  # the live local state, listed once (see state_tensors)
+        self._tensors: list[torch.Tensor] = []  # the same, flat
         self._tensors_key: tuple[int, ...] = ()
 
     @override
@@ -69,30 +77,50 @@ class SnapshotCallback(pl.Callback):
         """After the optimizer update of a step (its last micro-batch), once per step."""
         if not is_step_end(trainer, batch_idx):
             return
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         light = getattr(trainer.strategy, "light_state", None)
         if light is None:
             raise TypeError("SnapshotCallback needs CheckpointlessStrategy (its light_state())")
         with light():
             checkpoint = dump_training_state(trainer)
         checkpoint["ckless_rng"] = rng_state()
-        tensors = self._state_tensors(pl_module, trainer.optimizers)
+        tensors = self.state_tensors(pl_module, trainer.optimizers)
         self.snapshots.record(trainer.global_step, pickle.dumps(checkpoint), tensors)
         if self.on_first_record is not None:
             self.on_first_record()
             self.on_first_record = None
         self.record_s += time.perf_counter() - start
+        self.record_cpu_s += time.thread_time() - cpu_start
         self.records += 1
 
-    def _state_tensors(self, module: pl.LightningModule, optimizers: list[Optimizer]) -> list[torch.Tensor]:
+    def state_tensors(self, module: pl.LightningModule, optimizers: list[Optimizer]) -> list[torch.Tensor]:
         """The local state tensors, listed again only when the parameters or optimizer state change.
 
         Listing them goes through every DTensor's ``to_local`` (an autograd op each: milliseconds
         per step for a few hundred tensors). The views stay valid across steps: FSDP2 keeps its
         sharded storage and the optimizer updates its state in place.
         """
-        key = (id(module), *(len(o.state) for o in optimizers), *(id(o) for o in optimizers))
+        key = self._key(module, optimizers)
         if key != self._tensors_key:
-            self._tensors = local_state_tensors(module, optimizers)
+            # After an optimizer step FSDP2 has resharded every block: what is registered is stepped.
+            assert params_are_optimized(module, optimizers), "registered parameters are not the stepped ones"
+            self._live = live_params(module, optimizers)
+            self._tensors = flat_tensors(self._live)
             self._tensors_key = key
         return self._tensors
+
+    def live_params(self, module: pl.LightningModule, optimizers: list[Optimizer]) -> list[LiveParam] | None:
+        """The live state as listed after the last snapshot, if it is still the state of ``module``
+        and ``optimizers``; None otherwise.
+
+        Valid whatever the module's registration looks like now: a fault inside an FSDP2 collective
+        can leave a block's unsharded parameters registered, while the sharded ones (these, the
+        optimizer's) are untouched until the next optimizer step.
+        """
+        if self._live is None or self._key(module, optimizers) != self._tensors_key:
+            return None
+        return self._live
+
+    @staticmethod
+    def _key(module: pl.LightningModule, optimizers: list[Optimizer]) -> tuple[int, ...]:
+        return (id(module), *(len(o.state) for o in optimizers), *(id(o) for o in optimizers))
