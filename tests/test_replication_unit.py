@@ -442,3 +442,36 @@ def test_snapshot_listing_outlives_unsharded_registration():
         assert not registered_ok  # registration alone no longer says what the optimizer steps
         assert same_storage and with_state and other_is_none
 
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, foreach=True),
+        lambda ps: torch.optim.Adam(ps, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),  # the generic path (a zero step)
+    ],
+)
+def test_allocated_optimizer_state_is_shaped_like_a_first_step(make):
+    """A replaced rank allocates its optimizer state for the transfer without running a step:
+    the same keys, shapes, dtypes and devices as the state a real first step creates."""
+    from ckless_lightning.replication.state import allocate_optimizer_state
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+    stepped, allocated = model(), model()
+    reference = make(stepped.parameters())
+    stepped(torch.ones(2, 3)).sum().backward()
+    reference.step()
+    optimizer = make(allocated.parameters())
+    allocate_optimizer_state(optimizer)
+    for p_ref, p in zip(stepped.parameters(), allocated.parameters(), strict=True):
+        want, got = reference.state[p_ref], optimizer.state[p]
+        assert sorted(want) == sorted(got)
+        for key in want:
+            assert (want[key].shape, want[key].dtype, want[key].device) == (
+                got[key].shape,
+                got[key].dtype,
+                got[key].device,
+            ), key

@@ -35,19 +35,23 @@ _HEADER = 8  # the loop buffer starts with its payload length (int64)
 
 
 class FlatBuffer:
-    """One contiguous uint8 host buffer with a typed view per tensor (8-byte aligned)."""
+    """One contiguous uint8 host buffer with a typed view per tensor (8-byte aligned), then
+    ``tail_bytes`` more (the loop state: one buffer, so one send and one receive per exchange)."""
 
-    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+    def __init__(self, like: Sequence[torch.Tensor], tail_bytes: int = 0) -> None:
         offsets, total = [], 0
         for t in like:
             offsets.append(total)
             total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
         # Pinned where a GPU is: device-to-host copies of the shard then run at full bandwidth.
-        self.flat = torch.zeros(max(total, _ALIGN), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.flat = torch.zeros(
+            max(total + tail_bytes, _ALIGN), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        )
         self.views = [
             self.flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             for off, t in zip(offsets, like, strict=True)
         ]
+        self.tail = self.flat[total : total + tail_bytes]
 
     def matches(self, like: Sequence[torch.Tensor]) -> bool:
         return len(like) == len(self.views) and all(
@@ -59,10 +63,13 @@ class FlatBuffer:
 class Snapshot:
     """One copy of a rank's state at ``step``; ``complete`` once fully written (or received)."""
 
-    buffer: FlatBuffer
-    loop: torch.Tensor  # uint8: 8-byte length, then the pickled loop state
+    buffer: FlatBuffer  # the tensors, then the loop area: an 8-byte length and the pickled loop state
     step: int = -1
     complete: bool = False
+
+    @property
+    def loop(self) -> torch.Tensor:
+        return self.buffer.tail
 
     def loop_bytes(self) -> bytes:
         n = int(self.loop[:_HEADER].view(torch.int64).item())
@@ -116,9 +123,8 @@ class SnapshotCopies:
             return
         self.settle()
         own = self._slot(self.own, tensors, step)
-        with torch.no_grad():
-            for view, t in zip(own.buffer.views, tensors, strict=True):
-                view.copy_(t, non_blocking=True)
+        with torch.no_grad():  # one fused call: a copy_ per tensor costs more than the bytes here
+            torch._foreach_copy_(own.buffer.views, list(tensors), non_blocking=True)
         if tensors and tensors[0].is_cuda:
             torch.cuda.current_stream().synchronize()  # the exchange's gloo threads read the buffer
         self._write_loop(own, loop)
@@ -127,9 +133,7 @@ class SnapshotCopies:
         held.complete = False
         ops = [
             dist.P2POp(dist.isend, own.buffer.flat, peer=self.buddy, group=self.group),
-            dist.P2POp(dist.isend, own.loop, peer=self.buddy, group=self.group),
             dist.P2POp(dist.irecv, held.buffer.flat, peer=self.ward, group=self.group),
-            dist.P2POp(dist.irecv, held.loop, peer=self.ward, group=self.group),
         ]
         held.step = step
         self._pending = _Exchange(dist.batch_isend_irecv(ops), held, step)
@@ -193,7 +197,7 @@ class SnapshotCopies:
 
     def host_bytes(self) -> int:
         """Host memory held for copies (both own and held slots)."""
-        return sum(s.buffer.flat.numel() + s.loop.numel() for s in [*self.own, *self.held])
+        return sum(s.buffer.flat.numel() for s in [*self.own, *self.held])
 
     # -- internals -------------------------------------------------------------------------------------
     def _ward_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -214,11 +218,11 @@ class SnapshotCopies:
     def _slot(self, slots: list[Snapshot], like: Sequence[torch.Tensor], step: int) -> Snapshot:
         """The slot to overwrite: a fresh one while fewer than two, else the older/incomplete one."""
         if len(slots) < 2:
-            slots.append(Snapshot(FlatBuffer(like), torch.zeros(self.loop_capacity, dtype=torch.uint8)))
+            slots.append(Snapshot(FlatBuffer(like, self.loop_capacity)))
             return slots[-1]
         slot = min(slots, key=lambda s: (s.complete, s.step))
         if not slot.buffer.matches(like):
-            slot.buffer = FlatBuffer(like)
+            slot.buffer = FlatBuffer(like, self.loop_capacity)
         slot.complete = False
         return slot
 

@@ -25,13 +25,19 @@ def peak_rss_bytes() -> int:
 
 
 class StepStatsCallback(pl.Callback):
-    """Records the wall time of every optimizer step (start of its first micro-batch to end of its last)."""
+    """Records the wall time of every optimizer step (start of its first micro-batch to end of its
+    last), and from one step's end to the next the wall time and this process's CPU time (all its
+    threads: what per-step work outside the step, such as tier 4's snapshot, costs)."""
 
     def __init__(self, out_dir: str | Path) -> None:
         self.out_dir = Path(out_dir)
         self.step_seconds: list[float] = []
+        self.interval_seconds: list[float] = []
+        self.interval_cpu_seconds: list[float] = []
+        self.interval_end_times: list[float] = []  # time.time() at each interval's end
         self.tokens_per_step = 0
         self._t0: float | None = None
+        self._last_end: tuple[float, float] | None = None  # (wall, process CPU) at the last step end
 
     @override
     def on_train_batch_start(
@@ -46,7 +52,13 @@ class StepStatsCallback(pl.Callback):
     ) -> None:
         if not is_step_end(trainer, batch_idx) or self._t0 is None:
             return
-        self.step_seconds.append(time.perf_counter() - self._t0)
+        now = (time.perf_counter(), time.process_time())
+        self.step_seconds.append(now[0] - self._t0)
+        if self._last_end is not None:
+            self.interval_seconds.append(now[0] - self._last_end[0])
+            self.interval_cpu_seconds.append(now[1] - self._last_end[1])
+            self.interval_end_times.append(time.time())
+        self._last_end = now
         ids = batch["input_ids"]
         self.tokens_per_step = (ids.shape[1] - 1) * ids.shape[0] * trainer.accumulate_grad_batches
 
@@ -57,6 +69,9 @@ class StepStatsCallback(pl.Callback):
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "step_seconds": self.step_seconds,
+            "interval_seconds": self.interval_seconds,
+            "interval_cpu_seconds": self.interval_cpu_seconds,
+            "interval_end_times": self.interval_end_times,
             "tokens_per_step_per_rank": self.tokens_per_step,
             "peak_rss_bytes": peak_rss_bytes(),
         }
