@@ -46,6 +46,7 @@ SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
         ({"phase": "loss"}, r"fault\.phase must be one of data \| forward \| backward"),
         ({"injected_by": "agent"}, r"fault\.injected_by must be one of inside \| outside"),
         ({"type": "exception", "injected_by": "outside"}, r"exception cannot be injected from outside"),
+        ({"type": "stall", "injected_by": "outside"}, r"stall cannot be injected from outside"),
         ({"type": "random", "injected_by": "outside"}, r"fault\.types contains exception.*outside"),
         ({"step": 0}, r"fault\.step .* must be >= 1"),
         ({"mtbf_steps": 0}, r"fault\.mtbf_steps must be > 0"),
@@ -99,7 +100,7 @@ def test_validate_against_job_shape(kwargs: dict[str, Any], shape: tuple[int, ..
 
 
 def test_hydra_fault_groups_compose(compose) -> None:
-    for name in ("none", "kill", "hang", "exception", "node_loss", "random"):
+    for name in ("none", "kill", "hang", "stall", "exception", "node_loss", "random"):
         section = compose(f"fault={name}", "fault.rank=2", "fault.step=20")["fault"]
         cfg = FaultConfig(**section)
         assert (cfg.type, cfg.rank, cfg.step) == (name, 2, 20)

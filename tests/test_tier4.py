@@ -223,3 +223,19 @@ def test_recovery_keeps_one_copy_of_the_state(tmp_path, data_cache):
     grown_mb = (restored["peak_rss"] - steady["rss"]) / 2**20
     print(f"survivor: {steady['rss'] / 2**20:.0f} MiB after leaving, peak +{grown_mb:.1f} MiB in recovery")
     assert grown_mb < 16 + 48, grown_mb
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_stalled_in_its_own_code_is_the_one_replaced(tmp_path, data_cache, references):
+    """Rank 2 stops making progress in its forward without being stopped (it sleeps in its own
+    code); its peers block in the all-gather with it, and every heartbeat goes stale within
+    milliseconds of the others. The ranks' reports of where they wait name rank 2 as the only
+    one running: it is killed, the others keep their processes, and the run ends bitwise equal."""
+    run = run_plan(tmp_path, data_cache, "llama3_tiny", BUDDY, [("stall", 2, 5, "forward")], *NO_DISK)
+    assert_same_run(run, references["llama3_tiny", "buddy"], tmp_path, STEPS)
+    hangs = [e for e in events_of(run, "fault_detected") if e["reason"] == "hang"]
+    assert [e["rank"] for e in hangs] == [2], hangs
+    assert hangs[0]["where"]["2"] == "running", hangs
+    assert all(hangs[0]["where"].get(str(r)) == "peers" for r in (0, 1, 3)), hangs
+    pids = pids_by_rank(run)
+    assert [len(pids[r]) for r in range(4)] == [1, 1, 2, 1], pids

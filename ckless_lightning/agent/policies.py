@@ -161,15 +161,20 @@ class Policy(ABC):
         """Kill the hung rank and say so; returns it.
 
         When a rank hangs, its peers block in the next collective and go stale
-        too, possibly before it (they beat earlier). Blame a stopped process
-        (state T) first, stale or not, else the stale rank that beat least
-        recently; a rank that hangs while running cannot be told from peers
-        blocked on it, which matters for the report only.
+        too, at about the same moment (their beats are milliseconds apart). Blame
+        a stopped process (state T) first, stale or not; else a stale rank that
+        says it is running its own code before one that waits for the batch
+        cache, before one that waits on its peers (tiers 3-4 report it:
+        ``recovery/where.py``); else the one that beat least recently.
         """
         ranks, cfg, node = self.agent.ranks, self.agent.cfg, self.agent.node
         stopped = [r for r, p in ranks.items() if p.poll() is None and is_stopped(p.pid)]
         candidates = sorted(set(stale) | set(stopped))
-        rank = min(candidates, key=lambda r: (r not in stopped, beats[r].time, r))
+        where = self.store.rank_where(candidates)
+        order = {"running": 0, "data": 1, "peers": 2}
+        rank = min(
+            candidates, key=lambda r: (r not in stopped, order.get(where.get(r, ""), 0), beats[r].time, r)
+        )
         beat = beats[rank]
         ranks[rank].kill()
         self.agent.events.emit(
@@ -183,6 +188,7 @@ class Policy(ABC):
             limit_s=silence_limit(beat, cfg),
             stale_ranks=sorted(stale),
             stopped=rank in stopped,
+            where={str(r): w for r, w in sorted(where.items())},
             gen=gen,
         )
         how = "was stopped (state T)" if rank in stopped else "hung"

@@ -28,6 +28,8 @@ class Generation:
         pg_timeout_s: collective timeout of the generation's process groups.
         init_timeout_s: the longest wait for a peer while those groups form (``comm.init_timeout_s``).
         join_timeout_s: the longest join barrier before this generation (``comm.join_timeout_s``).
+        stuck_grace_s: how long this rank may stay in the generation once the job left it
+            (``comm.stuck_grace_s``); then its generation watch cuts its connections.
     """
 
     store: JobStore
@@ -38,6 +40,7 @@ class Generation:
     pg_timeout_s: float = 600.0
     init_timeout_s: float = 60.0
     join_timeout_s: float = 900.0
+    stuck_grace_s: float = 0.25
 
     def __post_init__(self) -> None:
         assert self.mesh[0] * self.mesh[1] == self.world_size, (self.mesh, self.world_size)

@@ -13,6 +13,8 @@ key                                value                                        
 ``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
 ``giveup``                         set once: the reason the job stops for good                 agent
 ``hb/<rank>``                      ``"<gen> <completed step> <unix time>"``, each step         rank, agent
+``where/<rank>``                   tiers 3-4: where the rank's main thread is, each second     rank
+                                   (``peers``: waiting in a collective, ``running``, ``data``)
 ``agent/<node>``                   the generation each agent is in                             agent
 ``agent/<node>/beats``             counter each agent bumps per pass (liveness, no clocks)    agent
 ``started/<g>/<node>``             the node's ranks were started in generation ``g``           agent
@@ -142,6 +144,15 @@ class JobStore:
     # -- heartbeats --------------------------------------------------------
     def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
         self._tcp.set(f"hb/{rank}", beat.encode())
+
+    def set_rank_where(self, rank: int, where: str) -> None:
+        self._tcp.set(f"where/{rank}", where)
+
+    def rank_where(self, ranks: list[int]) -> dict[int, str]:
+        """Where each of ``ranks`` last said its main thread was; ranks that never said are left out."""
+        present = [r for r in ranks if self._tcp.check([f"where/{r}"])]
+        values = self._tcp.multi_get([f"where/{r}" for r in present]) if present else []
+        return {r: raw.decode() for r, raw in zip(present, values, strict=True)}
 
     def rank_heartbeats(self, ranks: list[int]) -> dict[int, Heartbeat]:
         """Heartbeats of ``ranks`` (the agent writes an initial one when it starts a rank)."""

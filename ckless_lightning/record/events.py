@@ -42,8 +42,8 @@ line N of ``losses.jsonl``. The kinds and their fields:
 ``fault_injected`` {rank, step, phase, fault_type, injected_by: "inside" | "outside"}
     A test fault hit ``rank`` during optimizer step ``step`` (its ``phase``:
     forward, backward, ...); steps 1..step-1 were complete.
-``fault_detected`` {by, rank, reason: "exit" | "hang" | "node_lost", exit_code: int | None, stopped (hang),
-completed_step: int | None}
+``fault_detected`` {by, rank, reason: "exit" | "hang" | "node_lost", exit_code: int | None, completed_step:
+int | None; for a hang also stopped, stale_ranks, where: {rank: "running" | "data" | "peers"}}
     ``by`` (a source name) noticed that ``rank`` failed; ``completed_step`` is the
     last optimizer step that rank reported complete (its heartbeat), so the fault
     hit the step in progress, ``completed_step + 1``; None, or -1 for a rank still

@@ -33,6 +33,7 @@ import gc
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +51,7 @@ from ckless_lightning.recovery.memory import MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
 from ckless_lightning.recovery.watch import GenerationWatch
+from ckless_lightning.recovery.where import WhereReporter
 from ckless_lightning.replication import SnapshotCopies, Transfer
 from ckless_lightning.replication.state import LiveParam, live_params, params_are_optimized, reshard_all
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
@@ -183,6 +185,21 @@ class InProcessRecovery:
         a later generation (a replacement) and every recovery resume from the
         latest disk checkpoint instead (or ``ckpt_path`` while there is none).
         """
+        where = WhereReporter(self.store, self.rank)  # for the agent's hang blame
+        where.start()
+        try:
+            return self._fit(make_trainer, make_module, datamodule=datamodule, ckpt_path=ckpt_path)
+        finally:
+            where.stop()
+
+    def _fit(
+        self,
+        make_trainer: MakeTrainer,
+        make_module: Callable[[], pl.LightningModule],
+        *,
+        datamodule: pl.LightningDataModule | None,
+        ckpt_path: str | Path | None,
+    ) -> pl.Trainer:
         resume: str | Path | None = ckpt_path
         recovering = self.session.generation > 0
         left_after: int | None = None  # the completed step, while between generations
@@ -274,7 +291,9 @@ class InProcessRecovery:
         fail_fast(keep_ports={self.store.port})
 
     def _watch(self, gen: int) -> None:
-        self.watch = GenerationWatch(self.store, gen, on_stuck=lambda: self._cut_stuck(gen))
+        self.watch = GenerationWatch(
+            self.store, gen, on_stuck=lambda: self._cut_stuck(gen), grace_s=self.generation.stuck_grace_s
+        )
         self.watch.start()
 
     def _unwatch(self) -> None:
@@ -315,6 +334,7 @@ class InProcessRecovery:
             f"({type(err).__name__}: {str(err)[:200]})",
             file=sys.stderr,
         )
+        traceback.print_exception(err, file=sys.stderr)  # where it was raised: the rank's own log
         if dist.is_initialized():
             dist.destroy_process_group()
         self.session.leave()

@@ -1,16 +1,19 @@
-"""A last resort for a rank still inside a generation its job has left.
+"""Frees a rank still inside a generation its job has left.
 
 A rank normally leaves a generation within milliseconds of a fault: its
-pending collective fails when a peer dies or cuts its connections. Rarely
-(seen in about one CI run in two, tier 3, a peer raising during its optimizer
-step) every survivor stayed blocked in a collective until the agent killed one
-of them as hung: an innocent rank replaced, and ``agent.hang_timeout`` lost.
-:class:`GenerationWatch` is a thread per rank that notices the job's
+pending collective fails when a peer dies or cuts its connections. Two cases
+where that does not happen: every survivor blocked in a collective that no
+departure reaches (seen in about one CI run in two, tier 3, a peer raising
+during its optimizer step: the agent then killed one of them as hung, an
+innocent rank), and ranks computing a long step that talk to the lost rank
+only later in it (HSDP's other replica: at 300M parameters a step is 15 s of
+CPU). :class:`GenerationWatch` is a thread per rank that notices the job's
 generation move past this rank's and, if the rank has not started leaving
-``grace_s`` later, cuts its connections (``on_stuck``), so its blocked
-collective fails and the normal recovery path runs. It reads the store's
-generation counter every ``poll_s`` (one small request); it never acts while
-the rank is leaving or after it left.
+``grace_s`` later (``comm.stuck_grace_s``), cuts its connections
+(``on_stuck``), so its next or pending collective fails and the normal recovery
+path runs. It reads the store's generation counter every ``poll_s`` (one small
+request); it never acts while the rank is leaving or after it left. Its live
+state stays usable: what a survivor offers does not depend on where it was cut.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ class GenerationWatch:
         generation: int,
         *,
         on_stuck: Callable[[], None],
-        grace_s: float = 2.0,
-        poll_s: float = 0.5,
+        grace_s: float = 0.25,
+        poll_s: float = 0.1,
     ) -> None:
         self.store = store
         self.generation = generation

@@ -236,16 +236,19 @@ class CommConfig:
     process groups form (a peer that died or stopped before publishing its
     address: the rank moves to the next generation); ``join_timeout_s`` bounds
     the join barrier of tiers 3-4 (a rank that never comes, e.g. a lost node
-    nobody replaces: the job gives up with exit 75 for the scheduler to requeue).
+    nobody replaces: the job gives up with exit 75 for the scheduler to requeue);
+    ``stuck_grace_s`` (tiers 3-4) is how long a rank may stay in a generation the
+    job has left before its generation watch cuts its connections.
     """
 
     rootless: bool = False
     pg_timeout_s: float = 600.0
     init_timeout_s: float = 60.0
     join_timeout_s: float = 900.0
+    stuck_grace_s: float = 0.25
 
     def __post_init__(self) -> None:
-        for key in ("pg_timeout_s", "init_timeout_s", "join_timeout_s"):
+        for key in ("pg_timeout_s", "init_timeout_s", "join_timeout_s", "stuck_grace_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"comm.{key} must be a positive number of seconds, got {getattr(self, key)}")
 

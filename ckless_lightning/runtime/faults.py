@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 # "corrupt" (tier 4, phase "transfer"): the rank, as a transfer source, flips a byte of a bucket in flight.
-FAULT_TYPES = ("none", "kill", "hang", "exception", "node_loss", "corrupt", "random", "plan")
+# "stall": the rank stops making progress while running (sleeps in its own code; not stopped, state S):
+# only hang detection finds it, and only the report of where each rank waits tells it from its peers.
+FAULT_TYPES = ("none", "kill", "hang", "stall", "exception", "node_loss", "corrupt", "random", "plan")
 # Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
 # then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4), between
 # leaving a generation and joining the next; "comm_init": after joining, as the rank starts forming
@@ -46,7 +48,7 @@ STEP_PHASES = ("data", "forward", "backward", "grad_reduction", "commit", "optim
 PHASES = (*STEP_PHASES, "recovery", "comm_init", "transfer")
 INJECTORS = ("inside", "outside")
 # Types a random schedule may draw from (node_loss is targeted only: it names a node).
-RANDOM_FAULT_TYPES = ("kill", "hang", "exception")
+RANDOM_FAULT_TYPES = ("kill", "hang", "stall", "exception")
 
 
 def _choices(values: tuple[str, ...]) -> str:
@@ -112,15 +114,16 @@ class FaultConfig:
                 "set fault.phase=transfer and fault.injected_by=inside"
             )
         if self.injected_by == "outside":
-            if self.type == "exception":
+            if self.type in ("exception", "stall"):
                 raise ValueError(
-                    "fault.type=exception cannot be injected from outside (an exception is raised by the "
-                    "rank's own code); use fault.injected_by=inside, or fault.type=kill or hang from outside"
+                    f"fault.type={self.type} cannot be injected from outside (it happens in the rank's own "
+                    "code); use fault.injected_by=inside, or fault.type=kill or hang from outside"
                 )
-            if self.type == "random" and "exception" in self.types:
+            inside_only = sorted({"exception", "stall"} & set(self.types))
+            if self.type == "random" and inside_only:
                 raise ValueError(
-                    "fault.types contains exception, which cannot be injected from outside; "
-                    "remove it from fault.types or use fault.injected_by=inside"
+                    f"fault.types contains {', '.join(inside_only)}, which cannot be injected from outside; "
+                    "remove them from fault.types or use fault.injected_by=inside"
                 )
 
         if self.type == "plan":
@@ -143,8 +146,8 @@ class FaultConfig:
                 raise ValueError(f"fault.plan[{i}] has unknown keys {unknown}; allowed: {sorted(allowed)}")
             if entry.get("type") in (None, "none", "random", "plan"):
                 raise ValueError(
-                    f"fault.plan[{i}].type must be one of kill | hang | exception | node_loss | corrupt, "
-                    f"got {entry.get('type')!r}"
+                    f"fault.plan[{i}].type must be one of kill | hang | stall | exception | node_loss | "
+                    f"corrupt, got {entry.get('type')!r}"
                 )
             try:
                 entries.append(FaultConfig(**entry))

@@ -37,7 +37,8 @@ The real optimizer's step hooks fire after the vote because
 
 Injection, after :func:`~ckless_lightning.runtime.faults.claim_fault` won and
 ``on_inject(spec)`` returned: ``kill`` SIGKILLs the process; ``hang`` SIGSTOPs
-it (the agent's hang detection kills it); ``exception`` raises
+it (the agent kills a stopped process at once); ``stall`` sleeps forever in
+this callback (the process runs: the agent's hang detection kills it); ``exception`` raises
 :class:`InjectedFault`; ``node_loss`` SIGKILLs the node's agent (its other
 ranks die with it through PR_SET_PDEATHSIG), then this process.
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -249,6 +251,9 @@ class FaultInjectionCallback(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.fault_type == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.fault_type == "stall":
+            while True:  # running, not stopped: only hang detection ends it
+                time.sleep(3600)
         elif spec.fault_type == "exception":
             raise InjectedFault(spec)
         elif spec.fault_type == "node_loss":

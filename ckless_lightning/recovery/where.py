@@ -1,0 +1,86 @@
+"""Where a rank's main thread is, told to the agent every second: who to blame for a hang.
+
+When one rank stops making progress while it runs (a deadlock or an endless
+loop in its own code, a stuck read), its peers block in their next collective
+with it, and every heartbeat goes stale at about the same moment: the oldest
+heartbeat names a random rank, and at tiers 3-4 killing an innocent one costs
+its redundancy and a second recovery once the hung one is found. A
+:class:`WhereReporter` thread samples the innermost Python frame of the rank's
+main thread (``sys._current_frames``, which CPython documents for this kind of
+use) and writes a word to the job store:
+
+- ``peers``: in ``torch.distributed`` (a collective, a p2p wait, process-group
+  formation), or in this project's own waits on peers (the commit vote, the join
+  barrier): blocked on someone else;
+- ``data``: waiting for the node's batch-cache reader;
+- ``running``: anything else (computing, or stuck in its own code).
+
+The agent blames a stale rank that is ``running`` before one waiting on ``peers``
+(``agent/policies.py``). A thread keeps sampling while the main thread is
+blocked in C++ (collectives release the GIL); a stopped process writes nothing,
+and the agent sees its state directly.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import FrameType
+
+from ckless_lightning.comm import JobStore
+
+__all__ = ["WhereReporter", "where_is"]
+
+# Innermost frames in these files wait on peers. DTensor's dispatch is local compute.
+_PEER_WAITS = ("/torch/distributed/", "/ckless_lightning/recovery/", "/ckless_lightning/comm/")
+_NOT_PEER_WAITS = ("/torch/distributed/tensor/",)
+_DATA_WAITS = ("/ckless_lightning/data/",)
+
+
+def where_is(frame: FrameType | None) -> str:
+    """``peers``, ``data`` or ``running`` for a thread whose innermost Python frame is ``frame``."""
+    if frame is None:
+        return "running"
+    path = frame.f_code.co_filename.replace("\\", "/")
+    if any(p in path for p in _PEER_WAITS) and not any(p in path for p in _NOT_PEER_WAITS):
+        return "peers"
+    if any(p in path for p in _DATA_WAITS):
+        return "data"
+    return "running"
+
+
+class WhereReporter:
+    """Writes ``rank``'s main-thread position to ``store`` every ``interval_s``; ``start`` once,
+    ``stop`` at the end of training (returns at once: the thread waits on an event)."""
+
+    def __init__(self, store: JobStore, rank: int, *, interval_s: float = 1.0) -> None:
+        self.store = store
+        self.rank = rank
+        self.interval_s = interval_s
+        self._main = threading.main_thread().ident
+        self._last: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"where-{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def sample(self) -> str:
+        return where_is(sys._current_frames().get(self._main))  # type: ignore[arg-type]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            where = self.sample()
+            if where == self._last:
+                continue  # unchanged: the key still says it
+            try:
+                self.store.set_rank_where(self.rank, where)
+            except RuntimeError as err:  # the store is gone: the main thread finds out on its own
+                print(f"rank {self.rank}: cannot report where it is ({err})", file=sys.stderr)
+                return
+            self._last = where
