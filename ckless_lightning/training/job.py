@@ -108,6 +108,9 @@ def build_trainer(
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
+        # Checkpoints are ours (checkpoint.*): without this, checkpoint.every_n_steps=0 would get
+        # Lightning's default ModelCheckpoint, a full checkpoint at the end of each epoch (1.3 GB at 100M).
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
         default_root_dir=run_dir,
         logger=_loggers(run_dir),
         callbacks=all_callbacks,
@@ -210,6 +213,7 @@ def _generation(job: JobConfig, context: RankContext, store: JobStore) -> Genera
         pg_timeout_s=job.comm.pg_timeout_s,
         init_timeout_s=job.comm.init_timeout_s,
         join_timeout_s=job.comm.join_timeout_s,
+        stuck_grace_s=job.comm.stuck_grace_s,
     )
 
 

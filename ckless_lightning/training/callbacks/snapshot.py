@@ -71,6 +71,19 @@ class SnapshotCallback(pl.Callback):
         self.settle_s += time.perf_counter() - start
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once, when training ends: finish the last buddy exchange before leaving ``fit``.
+
+        A rank that left with its exchange in flight closed its connections under a slower peer
+        still posting its own half of it: that peer failed after the last step (seen one run in
+        two once nothing else synchronized the ranks at the end) and waited for a generation
+        nobody would join.
+        """
+        start = time.perf_counter()
+        self.snapshots.settle()
+        self.settle_s += time.perf_counter() - start
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
