@@ -34,9 +34,8 @@ memory available now runs HSDP 2x2 instead (``replication.source=hsdp``; marked)
 that does not fit either; likewise tier 0; the tables say so. The estimate: per rank the process, the
 state (16 B per local parameter; buddy copies: 4 slots of params + moments, 48 B more) and what glibc's
 heap keeps (~80 B per local parameter: see ``MemoryModel``), learnt upwards from each run's peak.
-On the 24 GB dev machine 300M fits only tier 0, and only with ``--malloc-mmap-threshold 4194304``;
-its HSDP fallback did not recover there (the other replica's ranks were cut inside their own
-all-gather, their live state judged untrusted: no copy of shard 1 left, exit 75).
+On the 24 GB dev machine 300M needs ``--malloc-mmap-threshold 4194304``; there tier 0 fits and
+tier 4 runs its HSDP fallback (buddy copies do not fit).
 
 Progress goes to stderr, the tables to stdout. Run directories live in a temporary directory,
 removed at the end unless ``--keep``. The machine is shared and noisy: compare rows of one run.
@@ -681,8 +680,7 @@ def table_memory(results: list[SizeResult]) -> list[str]:
             cells.append(f"{mb(steady, 5)}->{mb(peak, 5)} x{f2(ratio, 4)} {mb(after, 5)}".rjust(24))
         out.append(f"{label(r):<10}" + "".join(cells) + f"{f2(max(ratios) if ratios else None, 17)}")
     out.append(
-        "each cell: steady -> recovery peak x ratio, then the peak after the recovery up to the last step "
-        "(not the checkpoint Lightning's default ModelCheckpoint writes at the end of fit)."
+        "each cell: steady -> recovery peak x ratio, then the peak after the recovery up to the last step."
     )
     return out
 
