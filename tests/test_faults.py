@@ -42,7 +42,7 @@ SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"type": "explode"}, r"fault\.type must be one of none \| kill .* plan, got 'explode'"),
+        ({"type": "explode"}, r"fault\.type must be one of none \| kill .* chaos, got 'explode'"),
         ({"phase": "loss"}, r"fault\.phase must be one of data \| forward \| backward"),
         ({"injected_by": "agent"}, r"fault\.injected_by must be one of inside \| outside"),
         ({"type": "exception", "injected_by": "outside"}, r"exception cannot be injected from outside"),
@@ -51,6 +51,9 @@ SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
         ({"step": 0}, r"fault\.step .* must be >= 1"),
         ({"mtbf_steps": 0}, r"fault\.mtbf_steps must be > 0"),
         ({"types": ["kill", "node_loss"]}, r"fault\.types may only contain .*fault=node_loss"),
+        ({"type": "chaos", "mtbf_s": 0}, r"fault\.mtbf_s .* must be > 0"),
+        ({"type": "chaos", "targets": ["agent"]}, r"fault\.targets must be .* rank \| spare \| reader"),
+        ({"type": "chaos", "signals": []}, r"fault\.signals must be a non-empty list of kill \| stop"),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, Any], match: str) -> None:
@@ -427,3 +430,44 @@ def test_hang_stops_the_rank(tmp_path: Path) -> None:
         assert proc.returncode == -signal.SIGKILL
     finally:
         _stop(proc)
+
+
+@pytest.mark.timeout(60)
+def test_chaos_hits_live_processes_of_every_target_kind_seeded(tmp_path: Path) -> None:
+    """The chaos injector fires at its drawn times only, hits only the live processes it is shown,
+    with the drawn signal, at most ``max_faults`` times; the same seed draws the same sequence."""
+    from ckless_lightning.record.events import EventLog, read_events
+    from ckless_lightning.runtime.outside_faults import ChaosInjector
+
+    def draws(seed: int, log: Path) -> list[tuple[str, str]]:
+        children = {k: subprocess.Popen(["sleep", "60"]) for k in ("rank", "spare", "reader")}
+        try:
+            chaos = ChaosInjector(
+                FaultConfig(type="chaos", mtbf_s=0.01, max_faults=4, seed=seed), 0, EventLog(log, source="t")
+            )
+            processes = {"rank": {3: children["rank"].pid}, "spare": {}, "reader": {}}
+            for kind in ("spare", "reader"):
+                processes[kind] = {children[kind].pid: children[kind].pid}
+            deadline = time.monotonic() + 20
+            while chaos.left and time.monotonic() < deadline:
+                live = {
+                    k: {i: p for i, p in m.items() if psutil.Process(p).status() not in ("stopped", "zombie")}
+                    for k, m in processes.items()
+                }
+                chaos.inject_due(0, live, {})
+                time.sleep(0.002)
+            for kind, proc in children.items():  # what was hit is stopped or dead; the rest runs
+                status = "dead" if proc.poll() is not None else psutil.Process(proc.pid).status()
+                hit = [e for e in read_events(log) if e.get("target", "rank") == kind]
+                assert (status == "running" or status == "sleeping") == (not hit), (kind, status, hit)
+        finally:
+            for proc in children.values():
+                proc.kill()
+                proc.wait()
+        events = read_events(log)
+        assert len(events) <= 4
+        return [(e.get("target", "rank"), e.get("signal", e.get("fault_type"))) for e in events]
+
+    first = draws(7, tmp_path / "a.jsonl")
+    assert first == draws(7, tmp_path / "b.jsonl")
+    assert first, "nothing was hit"

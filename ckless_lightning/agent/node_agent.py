@@ -21,7 +21,8 @@ starts the warm spares once training runs and from then on keeps their pool
 full (:class:`~ckless_lightning.agent.processes.SparePool`: a spare taken, dead
 or stopped is replaced in the background, in a pass where every local rank
 trains), fires due outside faults
-(:class:`~ckless_lightning.runtime.outside_faults.OutsideFaultInjector`) and
+(:class:`~ckless_lightning.runtime.outside_faults.OutsideFaultInjector`, and
+``fault=chaos``'s :class:`~ckless_lightning.runtime.outside_faults.ChaosInjector`) and
 sleeps ``agent.monitor_interval``.
 
 Detection: a rank process exits non-zero (its exit code or signal); a rank's
@@ -64,7 +65,7 @@ from ckless_lightning.comm import Heartbeat, JobStore, connect_store
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import ExitCode, RankSpec
-from ckless_lightning.runtime.outside_faults import OutsideFaultInjector
+from ckless_lightning.runtime.outside_faults import ChaosInjector, OutsideFaultInjector
 
 __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
 
@@ -105,6 +106,7 @@ class NodeAgent:
             self.run_dir / "faults",
             self.events,
         )
+        self.chaos = ChaosInjector(job.fault, self.node, self.events) if job.fault.type == "chaos" else None
         self.store: JobStore | None = None
         self.finished: set[int] = set()  # tiers 3-4: ranks that trained to the end, stopped by us
         self.store_port = 0
@@ -229,6 +231,17 @@ class NodeAgent:
         self.outside_faults.inject_due(
             gen, beats, pid_of=lambda rank: self.ranks[rank].pid, kill_ranks=self._kill_ranks
         )
+        if self.chaos is not None:
+            self.chaos.inject_due(gen, self._live_processes(), beats)
+
+    def _live_processes(self) -> dict[str, dict[int, int]]:
+        """This node's live processes by kind (chaos targets): ranks by rank, spares and reader by pid."""
+        reader = self.batch_cache.reader
+        return {
+            "rank": {rank: proc.pid for rank, proc in self.ranks.items() if proc.poll() is None},
+            "spare": {pid: pid for pid in self.spares.pids},
+            "reader": {reader.pid: reader.pid} if reader is not None and reader.poll() is None else {},
+        }
 
     def _join_generation(self, budget: RestartBudget) -> int | None:
         """The generation to start in; a replacement node whose predecessor ran it asks for a new one."""

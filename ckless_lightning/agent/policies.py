@@ -337,8 +337,11 @@ class ReplaceFailed(Policy):
         """Nothing: the ranks are stopped, without ``ranks_stopped``, when the agent ends."""
 
     def _stop_finished(self, obs: Observation) -> list[int]:
-        """Stop the stale ranks that trained to the end but did not exit (done, not hung); the rest."""
-        stuck = [r for r in obs.stale if obs.beats[r].completed_step >= self.agent.job.trainer.max_steps]
+        """Stop the stale ranks that finished (passed their last collective) but did not exit; the rest.
+
+        A rank that trained its last step but is still in the final save is not finished: its peers
+        wait for it there, so a hang there is a hang."""
+        stuck = [r for r in obs.stale if self.store.rank_finished(r)]
         for rank in stuck:
             print(
                 f"[agent{self.agent.node}] rank {rank} finished training but did not exit; killed it",
@@ -361,6 +364,18 @@ class ReplaceFailed(Policy):
             for rank, proc in agent.ranks.items()
             if (code := proc.poll()) not in (None, 0) and rank not in agent.finished
         }
+        if self.store.ranks_finished() > 0:
+            # A peer passed its last collective (the final save included), so every rank did: a
+            # rank lost now was ending. Replacing it would wait in a join barrier nobody else enters.
+            for rank in sorted(failed):
+                agent.events.emit("rank_lost_after_end", rank=rank, exit_code=failed[rank], gen=gen)
+                print(
+                    f"[agent{agent.node}] rank {rank} {_how(failed[rank])} after the job's end "
+                    "(a peer had finished); not replaced",
+                    file=sys.stderr,
+                )
+                agent.finished.add(rank)
+            return gen
         self._restart_hang_clocks()
         current = max(gen, self.store.generation())
         member = {rank: self.store.member(rank) for rank in failed}

@@ -25,6 +25,7 @@ key                                value                                        
 ``gen<g>/vote/<step>``             tiers 3-4: counter of votes for the step in progress        rank
 ``gen<g>/decision/<step>``         ``commit`` or ``abandon``, compare_set once                 rank
 ``state/recorded``                 tier 4: some rank recorded a committed step in memory       rank
+``finished``, ``finished/<rank>``  tiers 3-4: ranks past their last collective (count, each)   rank
 ``gen<g>/pg/...``                  tier 1+: generation ``g``'s process groups (PrefixStore)    torch
 =================================  ==========================================================  ============
 """
@@ -232,6 +233,18 @@ class JobStore:
         return self._tcp.check(["state/recorded"])
 
     # -- completion ---------------------------------------------------------
+    def mark_rank_finished(self, rank: int) -> None:
+        """``rank`` trained to the end and passed its last collective (the final save included)."""
+        self._tcp.set(f"finished/{rank}", "1")
+        self._tcp.add("finished", 1)
+
+    def rank_finished(self, rank: int) -> bool:
+        return self._tcp.check([f"finished/{rank}"])
+
+    def ranks_finished(self) -> int:
+        """How many ranks passed their last collective: once one has, the job's output is complete."""
+        return self._tcp.add("finished", 0)
+
     def mark_done(self, gen: int, node: int) -> None:
         self._tcp.set(f"done/{gen}/{node}", "1")
 

@@ -178,19 +178,27 @@ class InProcessRecovery:
         *,
         datamodule: pl.LightningDataModule | None = None,
         ckpt_path: str | Path | None = None,
+        after_fit: Callable[[pl.Trainer], None] | None = None,
     ) -> pl.Trainer:
         """Train to the end; returns the Trainer of the generation that finished.
 
         ``ckpt_path`` is where the job starts (generation 0); a process started in
         a later generation (a replacement) and every recovery resume from the
         latest disk checkpoint instead (or ``ckpt_path`` while there is none).
+        ``after_fit(trainer)`` (the final checkpoint save) runs after ``fit`` in the same
+        generation: a fault during it is recovered like one during a step. On return this rank
+        passed its last collective, and the job store says so (``JobStore.mark_rank_finished``).
         """
         where = WhereReporter(self.store, self.rank)  # for the agent's hang blame
         where.start()
         try:
-            return self._fit(make_trainer, make_module, datamodule=datamodule, ckpt_path=ckpt_path)
+            trainer = self._fit(
+                make_trainer, make_module, datamodule=datamodule, ckpt_path=ckpt_path, after_fit=after_fit
+            )
         finally:
             where.stop()
+        self.store.mark_rank_finished(self.rank)
+        return trainer
 
     def _fit(
         self,
@@ -199,6 +207,7 @@ class InProcessRecovery:
         *,
         datamodule: pl.LightningDataModule | None,
         ckpt_path: str | Path | None,
+        after_fit: Callable[[pl.Trainer], None] | None,
     ) -> pl.Trainer:
         resume: str | Path | None = ckpt_path
         recovering = self.session.generation > 0
@@ -216,6 +225,8 @@ class InProcessRecovery:
                     self._phase("resume_chosen", gen.number, resumed_from=str(resume) if resume else None)
                 trainer = make_trainer(self._strategy(gen, resume), self._callbacks(gen.number))
                 trainer.fit(make_module(), datamodule=datamodule, ckpt_path=resume)
+                if after_fit is not None:
+                    after_fit(trainer)
                 self._unwatch()
                 self._count_votes()
                 return trainer

@@ -374,7 +374,7 @@ class JobConfig:
         """The targeted faults of ``fault`` (a plan's entries, or the one fault; none for random/none)."""
         if self.fault.type == "plan":
             return self.fault.plan_entries()
-        return [self.fault] if self.fault.type not in ("none", "random") else []
+        return [self.fault] if self.fault.type not in ("none", "random", "chaos") else []
 
     def _check_redundancy(self) -> None:
         """Tier 4 needs a live copy of every shard somewhere else; fail before ranks start if not."""

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CHAOS_SIGNALS",
+    "CHAOS_TARGETS",
     "FAULT_TYPES",
     "INJECTORS",
     "PHASES",
@@ -39,7 +41,23 @@ __all__ = [
 # "corrupt" (tier 4, phase "transfer"): the rank, as a transfer source, flips a byte of a bucket in flight.
 # "stall": the rank stops making progress while running (sleeps in its own code; not stopped, state S):
 # only hang detection finds it, and only the report of where each rank waits tells it from its peers.
-FAULT_TYPES = ("none", "kill", "hang", "stall", "exception", "node_loss", "corrupt", "random", "plan")
+# "chaos": the node agent sends SIGKILL or SIGSTOP to a random process of its node (a rank, a warm
+# spare, the batch-cache reader) at random wall-clock times from the job's start: start-up, steps,
+# recoveries and process-group formation alike (ckless_lightning.runtime.outside_faults.ChaosInjector).
+FAULT_TYPES = (
+    "none",
+    "kill",
+    "hang",
+    "stall",
+    "exception",
+    "node_loss",
+    "corrupt",
+    "random",
+    "plan",
+    "chaos",
+)
+CHAOS_TARGETS = ("rank", "spare", "reader")
+CHAOS_SIGNALS = ("kill", "stop")
 # Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
 # then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4), between
 # leaving a generation and joining the next; "comm_init": after joining, as the rank starts forming
@@ -60,7 +78,9 @@ class FaultConfig:
     """The ``fault:`` section. ``step`` is the N-th optimizer step (1-based) during which the fault fires.
 
     ``node`` is used by ``node_loss``; ``mtbf_steps``, ``seed``, ``max_faults`` and
-    ``types`` by ``random``; ``plan`` by ``plan``: a list of faults, each a mapping of
+    ``types`` by ``random``; ``mtbf_s``, ``seed``, ``max_faults``, ``targets`` and ``signals``
+    by ``chaos`` (per node agent: at most ``max_faults``, mean ``mtbf_s`` seconds apart);
+    ``plan`` by ``plan``: a list of faults, each a mapping of
     this section's targeted keys (``type``, ``rank``, ``step``, ``phase``, ``injected_by``, ``node``).
     A ``recovery``-phase fault of step N fires in the first in-process recovery (tiers 3-4)
     that begins once the rank has started step N; a ``comm_init``-phase one as the rank starts
@@ -80,10 +100,22 @@ class FaultConfig:
     max_faults: int = 3
     types: list[str] = field(default_factory=lambda: ["kill", "exception", "hang"])
     plan: list[dict[str, Any]] = field(default_factory=list)
+    mtbf_s: float = 10.0
+    targets: list[str] = field(default_factory=lambda: list(CHAOS_TARGETS))
+    signals: list[str] = field(default_factory=lambda: list(CHAOS_SIGNALS))
 
     def __post_init__(self) -> None:
         self.types = list(self.types)  # YAML gives a ListConfig or a tuple
         self.plan = [dict(entry) for entry in self.plan]
+        self.targets, self.signals = list(self.targets), list(self.signals)
+        for key, allowed in (("targets", CHAOS_TARGETS), ("signals", CHAOS_SIGNALS)):
+            values = getattr(self, key)
+            if not values or any(v not in allowed for v in values):
+                raise ValueError(f"fault.{key} must be a non-empty list of {_choices(allowed)}, got {values}")
+        if not self.mtbf_s > 0:
+            raise ValueError(
+                f"fault.mtbf_s (mean seconds between chaos faults) must be > 0, got {self.mtbf_s}"
+            )
         if self.type not in FAULT_TYPES:
             raise ValueError(f"fault.type must be one of {_choices(FAULT_TYPES)}, got {self.type!r}")
         if self.phase not in PHASES:
@@ -144,7 +176,7 @@ class FaultConfig:
             unknown = sorted(set(entry) - allowed)
             if unknown:
                 raise ValueError(f"fault.plan[{i}] has unknown keys {unknown}; allowed: {sorted(allowed)}")
-            if entry.get("type") in (None, "none", "random", "plan"):
+            if entry.get("type") in (None, "none", "random", "plan", "chaos"):
                 raise ValueError(
                     f"fault.plan[{i}].type must be one of kill | hang | stall | exception | node_loss | "
                     f"corrupt, got {entry.get('type')!r}"
@@ -169,7 +201,7 @@ class FaultConfig:
                 except ValueError as err:
                     raise ValueError(f"fault.plan[{i}]: {err}") from err
             return
-        if self.type in ("none", "random"):
+        if self.type in ("none", "random", "chaos"):
             return
         if self.step > max_steps:
             raise ValueError(
@@ -226,7 +258,7 @@ def plan_faults(
     fault per step), rank, phase and type drawn uniformly, at most ``max_faults``, steps <= ``max_steps``.
     """
     cfg.validate_against(world_size, nnodes, nproc_per_node, max_steps)
-    if cfg.type == "none":
+    if cfg.type in ("none", "chaos"):  # chaos is drawn by each node agent as the job runs
         return []
     if cfg.type == "plan":
         specs = []

@@ -11,18 +11,20 @@ agents. Nothing here imports torch or Lightning: the agent process uses it.
 from __future__ import annotations
 
 import os
+import random
 import signal
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckless_lightning.record.events import EventLog
-from ckless_lightning.runtime.faults import FaultSpec, claim_fault, injected_event
+from ckless_lightning.runtime.faults import FaultConfig, FaultSpec, claim_fault, injected_event
 
 if TYPE_CHECKING:
     from ckless_lightning.comm.store import Heartbeat
 
-__all__ = ["OutsideFaultInjector"]
+__all__ = ["ChaosInjector", "OutsideFaultInjector"]
 
 
 class OutsideFaultInjector:
@@ -73,3 +75,71 @@ class OutsideFaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)  # the whole node goes, agent included
         else:
             raise AssertionError(f"fault type {spec.fault_type} cannot be injected from outside")
+
+
+class ChaosInjector:
+    """``fault=chaos`` on one node: SIGKILL or SIGSTOP of a random process of it at random times.
+
+    The times are wall-clock arrivals from the agent's start, Exponential(mean ``fault.mtbf_s``),
+    so they fall in any phase: start-up, steps, recoveries, process-group formation. Each arrival
+    picks one process of ``fault.targets`` (ranks, warm spares, the batch-cache reader) that is
+    alive at that moment, and one of ``fault.signals``; an arrival with nothing to hit is skipped.
+    Seeded per node (``fault.seed``, the node rank): the same draws every run, though what they
+    hit depends on timing. At most ``fault.max_faults`` per node. A rank hit is a
+    ``fault_injected`` (``injected_by: "chaos"``); a spare or reader hit is a
+    ``process_fault_injected`` (it costs no recovery).
+    """
+
+    def __init__(self, cfg: FaultConfig, node: int, events: EventLog) -> None:
+        self.rng = random.Random(f"chaos/{cfg.seed}/{node}")
+        self.mean_s = cfg.mtbf_s
+        self.left = cfg.max_faults
+        self.targets = tuple(cfg.targets)
+        self.signals = tuple(cfg.signals)
+        self.events = events
+        self.node = node
+        self.next_at = time.monotonic() + self._gap()
+
+    def _gap(self) -> float:
+        return self.rng.expovariate(1.0 / self.mean_s)
+
+    def inject_due(
+        self, gen: int, processes: Mapping[str, Mapping[int, int]], beats: Mapping[int, Heartbeat]
+    ) -> None:
+        """Fire if an arrival is due; called once per supervision pass.
+
+        ``processes``: for each target kind, ``{id: pid}`` of its live processes (a rank's id is its
+        global rank; a spare's or reader's is its pid); ``beats``: the heartbeats of this node's ranks.
+        """
+        if self.left <= 0 or time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + self._gap()
+        candidates = [
+            (kind, ident, pid) for kind in self.targets for ident, pid in processes.get(kind, {}).items()
+        ]
+        if not candidates:
+            return
+        kind, ident, pid = self.rng.choice(candidates)
+        how = self.rng.choice(self.signals)
+        self.left -= 1
+        if kind == "rank":
+            beat = beats.get(ident)
+            step = beat.completed_step + 1 if beat is not None and beat.completed_step >= 0 else None
+            self.events.emit(
+                "fault_injected",
+                rank=ident,
+                step=step,
+                phase=None,
+                fault_type="kill" if how == "kill" else "hang",
+                injected_by="chaos",
+                pid=pid,
+                gen=gen,
+            )
+        else:
+            self.events.emit(
+                "process_fault_injected", target=kind, pid=pid, signal=how, node=self.node, gen=gen
+            )
+        try:
+            os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        except ProcessLookupError:  # it exited between the look and the signal: nothing to hit
+            self.events.emit("process_fault_missed", target=kind, pid=pid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -195,12 +196,19 @@ def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer:
         build_datamodule(job, context.batch_cache),
         job.fault_specs(),
     )
-    trainer = _train_in_process(run) if job.tier >= 3 else _train_once(run)
+    if job.tier >= 3:  # the final save runs inside the recovery: a fault during it is recovered
+        return _train_in_process(run, after_fit=lambda trainer: _save_final(job, trainer))
+    trainer = _train_once(run)
+    _save_final(job, trainer)
+    return trainer
+
+
+def _save_final(job: JobConfig, trainer: pl.Trainer) -> None:
+    """The final step's checkpoint when ``checkpoint.save_final`` (unless it exists, complete)."""
     if job.checkpoint.save_final:
         final = Path(job.checkpoint.dir) / checkpoint_name(trainer.global_step)
         if not is_complete_checkpoint(final):
             trainer.save_checkpoint(final, weights_only=False)
-    return trainer
 
 
 def _generation(job: JobConfig, context: RankContext, store: JobStore) -> Generation:
@@ -241,8 +249,9 @@ def _train_once(run: _RankRun) -> pl.Trainer:
     return trainer
 
 
-def _train_in_process(run: _RankRun) -> pl.Trainer:
-    """Tiers 3-4: ``fit`` inside :class:`InProcessRecovery`; faults are recovered in this process."""
+def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None]) -> pl.Trainer:
+    """Tiers 3-4: ``fit`` and then ``after_fit`` inside :class:`InProcessRecovery`; faults are
+    recovered in this process."""
     job, context, events = run.job, run.context, run.events
     if not context.has_store:
         raise ValueError(
@@ -276,6 +285,7 @@ def _train_in_process(run: _RankRun) -> pl.Trainer:
         lambda: build_module(job),
         datamodule=run.datamodule,
         ckpt_path=run.ckpt_path,
+        after_fit=after_fit,
     )
     recovery.finish()
     if recovery.votes:
