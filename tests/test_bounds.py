@@ -55,7 +55,7 @@ def test_group_formation_ends_when_the_generation_moves_on(store):
     time.sleep(1.0)  # both now wait for rank 2's address, which never comes
     assert all(t.is_alive() for t in threads)
     moved = time.monotonic()
-    store.advance_generation(0)
+    store.advance_generation(0, world_size=3)
     for t in threads:
         t.join(timeout=10)
     took = time.monotonic() - moved
@@ -89,7 +89,7 @@ def test_bounded_store_read_raises_generation_changed(store):
     assert store.process_group_store(0, init_timeout_s=30) is bounded  # kept alive by the JobStore
     bounded.set("present", "1")
     assert bounded.get("present") == b"1"
-    store.advance_generation(0)
+    store.advance_generation(0, world_size=3)
     with pytest.raises(GenerationChanged):
         bounded.get("absent")
 
@@ -127,18 +127,40 @@ def test_generation_watch_cuts_a_rank_left_behind_and_nothing_else(store):
     """The watch acts once the job moved past its generation and the rank did not leave within the
     grace; stopped in time (the rank left on its own), it never acts."""
     cuts: list[float] = []
-    timing = {"grace_s": 0.3, "poll_s": 0.05}
-    left_behind = GenerationWatch(store, 0, on_stuck=lambda: cuts.append(time.monotonic()), **timing)
-    leaves = GenerationWatch(store, 0, on_stuck=lambda: cuts.append(-1.0), **timing)
-    left_behind.start()
-    leaves.start()
+
+    def watch(rank: int, on_stuck) -> GenerationWatch:  # each rank's own waiting connection
+        return GenerationWatch(store, 0, rank, waiter=store.another_client(), on_stuck=on_stuck, grace_s=0.3)
+
+    left_behind = watch(0, lambda: cuts.append(time.monotonic()))
+    leaves = watch(1, lambda: cuts.append(-1.0))
+    ends = watch(2, lambda: cuts.append(-2.0))
+    for watch in (left_behind, leaves, ends):
+        watch.start()
     time.sleep(0.2)
     assert not cuts  # the generation has not moved
+    ends.stop()  # this rank's fit ended in generation 0: its watch is released, the others wait on
+    assert not ends.fired and left_behind._thread.is_alive() and leaves._thread.is_alive()
     moved = time.monotonic()
-    store.advance_generation(0)
+    store.advance_generation(0, world_size=3)
     time.sleep(0.1)
     leaves.stop()  # this rank started leaving within the grace
     time.sleep(0.6)
     left_behind.stop()
-    assert len(cuts) == 1 and 0.3 <= cuts[0] - moved < 0.3 + 0.3, cuts
+    # woken by the move, not by a poll: the cut comes one grace after it
+    assert len(cuts) == 1 and 0.3 <= cuts[0] - moved < 0.3 + 0.1, cuts
     assert left_behind.fired and not leaves.fired
+
+
+def test_generation_watch_that_missed_its_wake_up_rechecks_the_generation(store):
+    """A watch blocks in the store until woken; if the mover died between moving the job and waking
+    the watches, the watch's bounded wait ends, it re-reads the generation and acts on it."""
+    waiter = store.another_client()
+    cuts: list[int] = []
+    watch = GenerationWatch(
+        store, 0, 0, waiter=waiter, on_stuck=lambda: cuts.append(1), grace_s=0.0, recheck_s=0.3
+    )
+    watch.start()
+    store._tcp.compare_set("gen", "0", "1")  # a mover killed before it woke the watches
+    time.sleep(0.8)
+    assert cuts == [1] and watch.fired
+    watch.stop()

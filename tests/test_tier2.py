@@ -105,6 +105,36 @@ def test_reader_killed_or_stopped_mid_run_is_restarted(tmp_path, data_cache, ref
     assert not list(base.iterdir())
 
 
+@pytest.mark.timeout(600)
+def test_a_wedged_reader_is_restarted_after_its_timeout_and_no_rank_is_blamed(
+    tmp_path, data_cache, reference
+):
+    """The reader stops building at step 7's batch while it keeps running (not dead, not stopped):
+    the ranks wait for that batch, the agent sees it owed longer than ``data.reader_timeout_s`` and
+    restarts the reader; no rank is taken for hung, no generation is lost, samples stay exact."""
+    run, base = tmp_path / "run", tmp_path / "shm"
+    timeout_s = 3.0
+    launch_job(
+        run,
+        data_cache,
+        *COMMON,
+        *cache_overrides(base),
+        "fault=reader_stall",
+        "fault.step=7",
+        f"data.reader_timeout_s={timeout_s}",
+        "agent.hang_timeout=30",
+    )
+    events = read_events(run / "events.jsonl")
+    (stalled,) = [e for e in events if e["kind"] == "process_fault_injected"]
+    assert (stalled["target"], stalled["signal"], stalled["step"]) == ("reader", "stall", 6)
+    (restarted,) = [e for e in events if e["kind"] == "reader_restarted"]
+    assert (restarted["reason"], restarted["owed_step"]) == ("no_progress", 6), restarted
+    assert timeout_s < restarted["owed_s"] <= timeout_s + 1.0, restarted  # one agent pass past the bound
+    assert not [e for e in events if e["kind"] in ("fault_detected", "generation")]
+    assert_same_training(run, reference, tmp_path)
+    assert not list(base.iterdir())
+
+
 @pytest.mark.timeout(900)
 def test_two_concurrent_jobs_have_separate_caches(tmp_path, data_cache, reference):
     base = tmp_path / "shm"

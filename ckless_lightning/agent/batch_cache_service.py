@@ -4,7 +4,9 @@ The cache belongs to the job and the agent, not to a rank: it is created before
 the first rank starts, outlives every rank process, and is removed when the
 agent ends (normal end, fault budget, Ctrl-C, SIGTERM). The reader
 (``python -m ckless_lightning.data.cache_reader``) dies with the agent
-(PR_SET_PDEATHSIG) and is restarted if it dies on its own; ranks wait for it.
+(PR_SET_PDEATHSIG) and is restarted if it dies on its own, is stopped, or makes no
+progress: a step some local rank waits for (its ``want`` file) still unbuilt
+``data.reader_timeout_s`` after the agent first saw it missing; ranks wait for it.
 Cache directories are ``<data.mmap_cache_base>/ckless-<agent pid>-<random>``,
 owner-only: two jobs on one node never share one, and a directory whose agent
 pid is gone (an agent killed with SIGKILL) is removed by the next agent.
@@ -17,14 +19,16 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 from ckless_lightning.agent.processes import is_stopped, signal_session
-from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir
+from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir, unbuilt_wanted_steps
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import launcher_env
+from ckless_lightning.runtime.faults import claim_fault
 
 __all__ = ["BatchCacheService"]
 
@@ -57,6 +61,10 @@ class BatchCacheService:
         self.job_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.root: Path | None = None
         self.reader: subprocess.Popen[bytes] | None = None
+        self.max_steps = job.trainer.max_steps * job.accumulate_grad_batches
+        self._owed_since: float | None = None  # monotonic time the reader first owed a wanted step
+        node = job.cluster.node_rank
+        self._stall = [s for s in job.fault_specs() if s.fault_type == "reader_stall" and s.node == node]
 
     def start(self) -> None:
         if not self.enabled:
@@ -66,7 +74,8 @@ class BatchCacheService:
         self._start_reader()
 
     def keep_running(self) -> None:
-        """Called from the agent's monitor loop: restart the reader if it died or was stopped.
+        """Called from the agent's monitor loop: restart the reader if it died, was stopped, or
+        owes a wanted step for longer than ``data.reader_timeout_s`` (wedged while running).
 
         Ranks waiting on the cache carry on once the new reader fills it (it follows their
         ``want`` files, so it resumes where they are).
@@ -74,16 +83,39 @@ class BatchCacheService:
         if self.reader is None:
             return
         stopped = self.reader.poll() is None and is_stopped(self.reader.pid)
-        if stopped:
+        wedged = None if stopped or self.reader.poll() is not None else self._wedged_on()
+        if stopped or wedged is not None:
             signal_session(self.reader.pid, signal.SIGKILL)
             self.reader.wait()
         if (code := self.reader.poll()) is not None:
+            reason = "stopped" if stopped else "no_progress" if wedged is not None else "exited"
             self.events.emit(
-                "reader_restarted", node=self.job.cluster.node_rank, exit_code=code, stopped=stopped
+                "reader_restarted",
+                node=self.job.cluster.node_rank,
+                exit_code=code,
+                stopped=stopped,
+                reason=reason,
+                **({"owed_step": wedged[0], "owed_s": round(wedged[1], 3)} if wedged else {}),
             )
-            how = "was stopped (killed it)" if stopped else f"exited with {code}"
+            if wedged is not None:
+                how = f"left step {wedged[0]} unbuilt for {wedged[1]:.1f} s (killed it)"
+            else:
+                how = "was stopped (killed it)" if stopped else f"exited with {code}"
             print(f"[agent] batch cache reader {how}; restarting it", file=sys.stderr)
             self._start_reader()
+
+    def _wedged_on(self) -> tuple[int, float] | None:
+        """(step, seconds) if the reader has owed a step a rank waits for longer than its bound."""
+        assert self.root is not None
+        owed = unbuilt_wanted_steps(self.root, len(self.local_ranks), self.max_steps)
+        if not owed:
+            self._owed_since = None
+            return None
+        now = time.monotonic()
+        if self._owed_since is None:
+            self._owed_since = now
+        waited = now - self._owed_since
+        return (owed[0], waited) if waited > self.job.data.reader_timeout_s else None
 
     def close(self) -> None:
         if self.reader is not None:
@@ -123,13 +155,20 @@ class BatchCacheService:
             str(self.job.trainer.max_steps * self.job.accumulate_grad_batches),
             "--parent-pid",
             str(os.getpid()),
+            "--events",
+            str(Path(self.job.run_dir) / "events.jsonl"),
         ]
+        stall = self._stall.pop() if self._stall else None
+        if stall is not None and claim_fault(Path(self.job.run_dir) / "faults", stall):
+            # the batch of optimizer step N (1-based) is loader step (N - 1) x accumulation
+            command += ["--stall-at-step", str((stall.step - 1) * self.job.accumulate_grad_batches)]
         log_path = Path(self.job.run_dir) / "rank_logs" / f"cache_reader.node{self.job.cluster.node_rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log:
             self.reader = subprocess.Popen(
                 command, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        self._owed_since = None  # the new reader gets a full data.reader_timeout_s (it imports first)
         self.events.emit(
             "reader_started", node=self.job.cluster.node_rank, pid=self.reader.pid, root=str(self.root)
         )

@@ -25,9 +25,10 @@ class RestartBudget:
     ``current``, whose restart is already recorded: it gives up once there are more than ``max_restarts``.
     """
 
-    def __init__(self, store: JobStore, cfg: AgentConfig, events: EventLog) -> None:
+    def __init__(self, store: JobStore, cfg: AgentConfig, events: EventLog, *, world_size: int) -> None:
         self.store = store
         self.cfg = cfg
+        self.world_size = world_size  # whose generation watches a new generation wakes
         self.events = events
 
     def advance(self, gen: int) -> int | None:
@@ -42,7 +43,9 @@ class RestartBudget:
             self.store.give_up(reason)
             return None
         return self.store.advance_generation(
-            gen, announce=lambda new: self.events.emit("generation", gen=new, reason="fault")
+            gen,
+            world_size=self.world_size,
+            announce=lambda new: self.events.emit("generation", gen=new, reason="fault"),
         )
 
     def spent_by(self, current: int) -> bool:

@@ -102,7 +102,13 @@ class NodeAgent:
         first = self.node * self.cluster.nproc_per_node
         self.local_ranks = list(range(first, first + self.cluster.nproc_per_node))
         self.outside_faults = OutsideFaultInjector(
-            [s for s in job.fault_specs() if s.injected_by == "outside" and s.rank in self.local_ranks],
+            [
+                s
+                for s in job.fault_specs()
+                if s.injected_by == "outside"
+                and s.rank in self.local_ranks
+                and s.fault_type != "reader_stall"
+            ],
             self.run_dir / "faults",
             self.events,
         )
@@ -152,7 +158,7 @@ class NodeAgent:
     def _supervise(self) -> int:
         """The supervision loop: observe, let the tier's policy decide, carry the decision out."""
         assert self.store is not None
-        budget = RestartBudget(self.store, self.cfg, self.events)
+        budget = RestartBudget(self.store, self.cfg, self.events, world_size=self.cluster.world_size)
         gen = self._join_generation(budget)
         if gen is None:
             return self._give_up_exit()

@@ -11,6 +11,8 @@ key                                value                                        
 ``gen``                            the current generation (an int, only raised, compare_set)   agent, rank
 ``restart/<g>``                    unix time generation ``g`` began (the restart budget)       advancer
 ``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
+``gen<g>/moved/<rank>``            the job left ``g``: wakes ``rank``'s generation watch         advancer
+                                   (or the rank itself, to release its own watch)
 ``giveup``                         set once: the reason the job stops for good                 agent
 ``hb/<rank>``                      ``"<gen> <completed step> <unix time>"``, each step         rank, agent
 ``where/<rank>``                   tiers 3-4: where the rank's main thread is, each second     rank
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import DistStoreError, PrefixStore, TCPStore
 
 from ckless_lightning.comm.bounded_store import GenerationBoundStore, GenerationChanged
 
@@ -99,19 +101,44 @@ class JobStore:
     def generation(self) -> int:
         return self._tcp.add("gen", 0)
 
-    def advance_generation(self, seen: int, *, announce: Callable[[int], None] | None = None) -> int:
+    def advance_generation(
+        self, seen: int, *, world_size: int, announce: Callable[[int], None] | None = None
+    ) -> int:
         """Move from generation ``seen`` to ``seen + 1`` unless someone already moved on.
 
         Returns the generation now current. Several agents and ranks noticing the
         same fault therefore make one new generation, not several; ``announce``
         is called with the new generation by the first caller only, job-wide.
+        Every caller that finds the job at ``seen + 1`` also wakes the generation
+        watches of ``seen``'s ``world_size`` ranks (one request; see :meth:`wait_moved`).
         """
         current = int(self._tcp.compare_set("gen", str(seen), str(seen + 1)))
         if current == seen + 1:
             self._tcp.set(f"restart/{seen + 1}", f"{time.time():.6f}")
+            self._tcp.multi_set([f"gen{seen}/moved/{r}" for r in range(world_size)], ["1"] * world_size)
             if self._tcp.add(f"announced/{current}", 1) == 1 and announce is not None:
                 announce(current)
         return current
+
+    def wait_moved(self, gen: int, rank: int, *, timeout_s: float) -> bool:
+        """Block until ``rank``'s wake key of generation ``gen`` exists (the job left ``gen``, or
+        :meth:`release_watch`); False after ``timeout_s``. One pending request, no polling: use a
+        client of its own (:meth:`another_client`), as it holds the connection while it waits."""
+        try:
+            self._tcp.wait([f"gen{gen}/moved/{rank}"], timedelta(seconds=timeout_s))
+        except DistStoreError as err:
+            if "timeout" not in str(err):
+                raise
+            return False
+        return True
+
+    def release_watch(self, gen: int, rank: int) -> None:
+        """End ``rank``'s :meth:`wait_moved` on ``gen`` (the rank leaves or ends that generation)."""
+        self._tcp.set(f"gen{gen}/moved/{rank}", "1")
+
+    def another_client(self) -> JobStore:
+        """A second connection to the same store (for a thread that blocks in :meth:`wait_moved`)."""
+        return JobStore(connect_store(self._tcp.host, self._tcp.port, is_master=False))
 
     def process_group_store(self, gen: int, *, init_timeout_s: float) -> GenerationBoundStore:
         """Generation ``gen``'s own namespace for ``init_process_group`` (tier 1+).

@@ -58,6 +58,7 @@ __all__ = [
     "create_cache_dir",
     "remove_cache_dir",
     "source_tag",
+    "unbuilt_wanted_steps",
 ]
 
 ENTRY_VERSION = 1
@@ -126,10 +127,10 @@ class BatchCacheLayout:
         return HEADER_SIZE + self.payload_nbytes
 
     def entry_path(self, step: int) -> Path:
-        return self.root / f"step{_check_step(step):010d}.batch"
+        return _entry_path(self.root, _check_step(step))
 
     def want_path(self, local_index: int) -> Path:
-        return self.root / f"want.{self._check_local(local_index)}"
+        return _want_path(self.root, self._check_local(local_index))
 
     def _check_local(self, local_index: int) -> int:
         if isinstance(local_index, bool) or not isinstance(local_index, int):
@@ -155,6 +156,31 @@ class CorruptEntryError(Exception):
         )
         self.path = path
         self.reason = reason
+
+
+def _entry_path(root: Path, step: int) -> Path:
+    return root / f"step{step:010d}.batch"
+
+
+def _want_path(root: Path, local_index: int) -> Path:
+    return root / f"want.{local_index}"
+
+
+def unbuilt_wanted_steps(root: Path, n_ranks: int, max_steps: int | None) -> list[int]:
+    """Steps a local consumer is waiting for (its ``want`` file) that have no entry: what the reader owes.
+
+    For the agent's progress check of the reader (it reads file names only, never an entry).
+    A want file being replaced at this moment is skipped (read next time).
+    """
+    owed = set()
+    for i in range(n_ranks):
+        try:
+            step = int(_want_path(Path(root), i).read_text())
+        except (FileNotFoundError, ValueError):
+            continue
+        if (max_steps is None or step < max_steps) and not _entry_path(Path(root), step).exists():
+            owed.add(step)
+    return sorted(owed)
 
 
 def _check_step(step: int) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 from ckless_lightning.data.batch_cache import BatchCacheLayout, BatchCacheWriter, source_tag
 from ckless_lightning.data.loader import StepBatchLoader
 from ckless_lightning.data.packing import load_prepared
+from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.contract import die_with_parent
 
 __all__ = ["consumer_wants", "main", "run_reader", "window_steps"]
@@ -88,12 +89,16 @@ def run_reader(
     max_steps: int | None,
     stop: threading.Event | Callable[[], bool],
     poll_s: float = 0.01,
+    stall_at: int | None = None,
+    on_stall: Callable[[int], None] | None = None,
 ) -> None:
     """Keep the node's cache filled around its consumers until ``stop`` says so.
 
     ``source_for_rank`` maps each local dp rank to ``batch(step)`` (``StepBatchLoader.batch``)
     or is one ``source(step, dp_rank)`` function. Nothing at or past ``max_steps`` is built.
     Source errors propagate (the reader exits; restarting it is safe).
+    ``stall_at`` (fault injection, ``fault=reader_stall``): on reaching that step the reader stops
+    building for good while it keeps running (``on_stall(step)`` first), as a wedged reader would.
     """
     if prefetch < 1 or lookback < 0:
         raise ValueError(f"prefetch={prefetch} must be >= 1 and lookback={lookback} >= 0.")
@@ -114,6 +119,12 @@ def run_reader(
         if step is None:
             idle()
             continue
+        if step == stall_at:
+            if on_stall is not None:
+                on_stall(step)
+            while not stopped():
+                time.sleep(1.0)
+            return
         writer.write(step)  # rebuilds an entry that exists but fails verification
         built.add(step)
 
@@ -134,6 +145,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--start-step", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--parent-pid", type=int, default=None, help="die with this parent (the node agent)")
+    parser.add_argument(
+        "--stall-at-step", type=int, default=None, help="fault injection: stop building at this step"
+    )
+    parser.add_argument("--events", default=None, help="the job's events.jsonl (for the injected stall)")
     args = parser.parse_args(argv)
     try:
         args.dp_ranks = tuple(int(r) for r in args.dp_ranks.split(","))
@@ -178,8 +193,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         start_step=args.start_step,
         max_steps=args.max_steps,
         stop=stop,
+        stall_at=args.stall_at_step,
+        on_stall=lambda step: _report_stall(args.events, step),
     )
     return 0
+
+
+def _report_stall(events_path: str | None, step: int) -> None:
+    print(f"cache_reader: stalling at step {step} (fault injection: fault=reader_stall)", flush=True)
+    if events_path is not None:
+        EventLog(Path(events_path), source="reader").emit(
+            "process_fault_injected", target="reader", signal="stall", step=step
+        )
 
 
 if __name__ == "__main__":

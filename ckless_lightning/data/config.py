@@ -36,6 +36,9 @@ class DataConfig:
     mmap_cache_base: str = "/dev/shm"
     prefetch: int = 8  # loader steps the reader keeps ready ahead of the slowest rank
     lookback: int = 4  # loader steps kept behind it, for replays after a rollback
+    # A reader that leaves a step a rank waits for unbuilt this long (running, not dead or stopped:
+    # those are found at once) is taken for wedged: the agent kills and restarts it.
+    reader_timeout_s: float = 30.0
     record_samples: bool = False  # write each rank's sample ids per step to <run_dir>/samples/
 
     def __post_init__(self) -> None:
@@ -70,5 +73,7 @@ class DataConfig:
                 )
         if isinstance(self.lookback, bool) or not isinstance(self.lookback, int) or self.lookback < 0:
             raise ValueError(f"data.lookback={self.lookback!r} must be a non-negative integer.")
+        if not self.reader_timeout_s > 0:
+            raise ValueError(f"data.reader_timeout_s={self.reader_timeout_s!r} must be > 0 (seconds).")
         if not self.cache_dir:
             raise ValueError("data.cache_dir is empty; set it to a writable directory.")

@@ -39,9 +39,22 @@ line N of ``losses.jsonl``. The kinds and their fields:
     stopped before it was handed one (the pool replaces it).
 ``spare_imports`` {rank, gen, count, names}
     After training, a rank a spare took: the modules it still imported after the hand-over.
-``fault_injected`` {rank, step, phase, fault_type, injected_by: "inside" | "outside"}
+``fault_injected`` {rank, step, phase, fault_type, injected_by: "inside" | "outside" | "chaos"}
     A test fault hit ``rank`` during optimizer step ``step`` (its ``phase``:
-    forward, backward, ...); steps 1..step-1 were complete.
+    forward, backward, ...); steps 1..step-1 were complete. ``chaos`` (``fault=chaos``, with
+    ``pid``): the agent's SIGKILL (``kill``) or SIGSTOP (``hang``); ``step`` None before step 1.
+``process_fault_injected`` {target: "spare" | "reader", signal: "kill" | "stop" | "stall", pid?, step?}
+    A test fault hit a process that is not a rank (``fault=chaos``; ``fault=reader_stall``: the
+    reader stopped building at loader step ``step``). It costs no recovery; ``process_fault_missed``
+    {target, pid}: the chosen process had exited before the signal.
+``reader_started`` {node, pid, root}, ``reader_restarted`` {node, exit_code, stopped, reason, owed_step?,
+owed_s?}
+    Tier 2+: the node's batch-cache reader was started; it was restarted because it ``exited``,
+    was ``stopped`` (killed first) or made ``no_progress`` (left ``owed_step``, which a rank waits
+    for, unbuilt ``owed_s`` > ``data.reader_timeout_s`` seconds).
+``rank_lost_after_end`` {rank, exit_code, gen}
+    Tiers 3-4: a rank died after a peer had passed its last collective (the job's output was
+    complete); it is counted as finished, not replaced.
 ``fault_detected`` {by, rank, reason: "exit" | "hang" | "node_lost", exit_code: int | None, completed_step:
 int | None; for a hang also stopped, stale_ranks, where: {rank: "running" | "data" | "peers"}}
     ``by`` (a source name) noticed that ``rank`` failed; ``completed_step`` is the
@@ -111,6 +124,11 @@ EVENT_KINDS = (
     "spare_prepared",
     "spare_lost",
     "spare_imports",
+    "process_fault_injected",
+    "process_fault_missed",
+    "reader_started",
+    "reader_restarted",
+    "rank_lost_after_end",
 )
 
 RECOVERY_PHASES = ("recovery_start", "generation_left", "generation_joined", "resume_chosen")

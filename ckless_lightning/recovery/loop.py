@@ -130,6 +130,7 @@ class InProcessRecovery:
         self.records = 0
         self.recoveries = 0
         self.watch: GenerationWatch | None = None  # frees this rank if it stays in a generation left behind
+        self._waiter: JobStore | None = None  # the store connection the watches block in
         self.commit: StepCommit | None = None  # the current generation's vote (its cost: wait_s, votes)
         self.vote_s = 0.0
         self.vote_cpu_s = 0.0
@@ -302,8 +303,15 @@ class InProcessRecovery:
         fail_fast(keep_ports={self.store.port})
 
     def _watch(self, gen: int) -> None:
+        if self._waiter is None:
+            self._waiter = self.store.another_client()
         self.watch = GenerationWatch(
-            self.store, gen, on_stuck=lambda: self._cut_stuck(gen), grace_s=self.generation.stuck_grace_s
+            self.store,
+            gen,
+            self.rank,
+            waiter=self._waiter,
+            on_stuck=lambda: self._cut_stuck(gen),
+            grace_s=self.generation.stuck_grace_s,
         )
         self.watch.start()
 

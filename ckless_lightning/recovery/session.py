@@ -69,7 +69,9 @@ class GenerationSession:
         """
         current = self.store.generation()
         if current == self.generation:
-            current = self.store.advance_generation(self.generation, announce=self._announce)
+            current = self.store.advance_generation(
+                self.generation, world_size=self.world_size, announce=self._announce
+            )
         self._on_phase("generation_left", self.generation)
         self.generation = current
         return current

@@ -7,13 +7,15 @@ departure reaches (seen in about one CI run in two, tier 3, a peer raising
 during its optimizer step: the agent then killed one of them as hung, an
 innocent rank), and ranks computing a long step that talk to the lost rank
 only later in it (HSDP's other replica: at 300M parameters a step is 15 s of
-CPU). :class:`GenerationWatch` is a thread per rank that notices the job's
-generation move past this rank's and, if the rank has not started leaving
-``grace_s`` later (``comm.stuck_grace_s``), cuts its connections
-(``on_stuck``), so its next or pending collective fails and the normal recovery
-path runs. It reads the store's generation counter every ``poll_s`` (one small
-request); it never acts while the rank is leaving or after it left. Its live
-state stays usable: what a survivor offers does not depend on where it was cut.
+CPU). :class:`GenerationWatch` is a thread per rank and generation that blocks
+in the job store until the job leaves this generation (whoever moves it wakes
+every rank's watch: one pending request per rank, no polling, so a job of any
+size costs the store nothing while all is well) and then, if the rank has not
+started leaving ``grace_s`` later (``comm.stuck_grace_s``), cuts its
+connections (``on_stuck``): its next or pending collective fails and the
+normal recovery path runs. It never acts while the rank is leaving or after it
+left. Its live state stays usable: what a survivor offers does not depend on
+where it was cut.
 """
 
 from __future__ import annotations
@@ -26,25 +28,38 @@ from ckless_lightning.comm import JobStore
 
 __all__ = ["GenerationWatch"]
 
+# A wait that long with no news re-reads the generation (a mover killed between moving the job and
+# waking the watches is the only way to miss a wake-up) and waits again.
+_RECHECK_S = 600.0
+
 
 class GenerationWatch:
-    """Watches generation ``generation`` of ``store``; ``start`` once, ``stop`` when this rank leaves
-    the generation or its ``fit`` ends (``stop`` returns at once: the thread waits on an event)."""
+    """Watches generation ``generation`` for ``rank``; ``start`` once, ``stop`` when this rank leaves
+    the generation or its ``fit`` ends (``stop`` wakes the thread through the store and joins it).
+
+    ``store``: this rank's job store client; ``waiter``: a second client the thread blocks in
+    (:meth:`JobStore.another_client`, one per process, reused across generations: one watch at a
+    time blocks in it, as a generation's watch is stopped before the next one starts).
+    """
 
     def __init__(
         self,
         store: JobStore,
         generation: int,
+        rank: int,
         *,
+        waiter: JobStore,
         on_stuck: Callable[[], None],
         grace_s: float = 0.25,
-        poll_s: float = 0.1,
+        recheck_s: float = _RECHECK_S,
     ) -> None:
         self.store = store
+        self.waiter = waiter
         self.generation = generation
+        self.rank = rank
         self.on_stuck = on_stuck
         self.grace_s = grace_s
-        self.poll_s = poll_s
+        self.recheck_s = recheck_s
         self.fired = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"generation-watch-{generation}", daemon=True)
@@ -55,17 +70,17 @@ class GenerationWatch:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self.store.release_watch(self.generation, self.rank)
             self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            try:
-                moved = self.store.generation() > self.generation
-            except RuntimeError as err:  # the store is gone: the main thread finds out on its own
-                print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
-                return
-            if moved:
-                if not self._stop.wait(self.grace_s):
-                    self.fired = True
-                    self.on_stuck()
-                return
+        try:
+            while not self.waiter.wait_moved(self.generation, self.rank, timeout_s=self.recheck_s):
+                if self._stop.is_set() or self.waiter.generation() > self.generation:
+                    break
+        except RuntimeError as err:  # the store is gone: the main thread finds out on its own
+            print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
+            return
+        if not self._stop.is_set() and not self._stop.wait(self.grace_s):
+            self.fired = True
+            self.on_stuck()

@@ -334,6 +334,11 @@ class JobConfig:
                 f"fault.type=corrupt corrupts a tier-4 peer-to-peer transfer, but tier={self.tier}; "
                 "use tier=4"
             )
+        if not self.data.mmap_cache and any(f.type == "reader_stall" for f in faults):
+            raise ValueError(
+                "fault.type=reader_stall stalls the batch-cache reader, but data.mmap_cache is off; "
+                "use tier=2 or higher (or data.mmap_cache=true)"
+            )
         if self.tier != 4 and any(f.phase == "transfer" for f in faults):
             raise ValueError(
                 f"fault.phase=transfer hits tier 4's peer-to-peer state transfer, but tier={self.tier}; "

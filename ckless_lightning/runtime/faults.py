@@ -27,6 +27,7 @@ __all__ = [
     "CHAOS_TARGETS",
     "FAULT_TYPES",
     "INJECTORS",
+    "NODE_FAULT_TYPES",
     "PHASES",
     "RANDOM_FAULT_TYPES",
     "STEP_PHASES",
@@ -44,6 +45,8 @@ __all__ = [
 # "chaos": the node agent sends SIGKILL or SIGSTOP to a random process of its node (a rank, a warm
 # spare, the batch-cache reader) at random wall-clock times from the job's start: start-up, steps,
 # recoveries and process-group formation alike (ckless_lightning.runtime.outside_faults.ChaosInjector).
+# "reader_stall" (tier 2+): node fault.node's batch-cache reader stops building when it reaches the
+# batch of step fault.step, still running: only the agent's progress check of the reader finds it.
 FAULT_TYPES = (
     "none",
     "kill",
@@ -55,7 +58,9 @@ FAULT_TYPES = (
     "random",
     "plan",
     "chaos",
+    "reader_stall",
 )
+NODE_FAULT_TYPES = ("node_loss", "reader_stall")  # they name a node, not a rank
 CHAOS_TARGETS = ("rank", "spare", "reader")
 CHAOS_SIGNALS = ("kill", "stop")
 # Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
@@ -145,6 +150,11 @@ class FaultConfig:
                 "fault.type=corrupt flips bytes of a tier-4 recovery transfer sent by fault.rank: "
                 "set fault.phase=transfer and fault.injected_by=inside"
             )
+        if self.type == "reader_stall" and self.injected_by != "outside":
+            raise ValueError(
+                "fault.type=reader_stall is armed by the node agent in the reader it starts: "
+                "set fault.injected_by=outside (or use fault=reader_stall)"
+            )
         if self.injected_by == "outside":
             if self.type in ("exception", "stall"):
                 raise ValueError(
@@ -208,8 +218,8 @@ class FaultConfig:
                 f"fault.step={self.step} is beyond trainer.max_steps={max_steps}, so it would never fire; "
                 f"choose fault.step in 1..{max_steps}, or fault=none for no fault"
             )
-        if self.type == "node_loss":
-            if nnodes < 2:
+        if self.type in NODE_FAULT_TYPES:
+            if self.type == "node_loss" and nnodes < 2:
                 raise ValueError(
                     "a node loss needs cluster.nnodes >= 2; on one node use fault=kill "
                     f"(cluster.nnodes={nnodes})"
@@ -246,7 +256,7 @@ class FaultSpec:
         assert self.index >= 0 and self.step >= 1 and self.rank >= 0, self
         assert self.fault_type in FAULT_TYPES and self.fault_type not in ("none", "random"), self
         assert self.phase in PHASES and self.injected_by in INJECTORS, self
-        assert (self.node is not None) == (self.fault_type == "node_loss"), self
+        assert (self.node is not None) == (self.fault_type in NODE_FAULT_TYPES), self
 
 
 def plan_faults(
@@ -267,11 +277,11 @@ def plan_faults(
             (spec,) = plan_faults(entry, **shape, max_steps=max_steps)
             specs.append(replace(spec, index=index))
         return specs
-    if cfg.type == "node_loss":
+    if cfg.type in NODE_FAULT_TYPES:
         return [
             FaultSpec(
                 index=0,
-                fault_type="node_loss",
+                fault_type=cfg.type,
                 rank=cfg.node * nproc_per_node,
                 step=cfg.step,
                 phase=cfg.phase,
