@@ -70,3 +70,14 @@ def test_killed_launcher_takes_its_ranks_along(tmp_path):
         for p in ranks:
             if p.is_running():
                 p.kill()
+
+
+def test_processes_the_agent_starts_turn_nccl_errors_into_exceptions(monkeypatch):
+    """Ranks get TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, raise in the rank; torch's
+    default tears the process down), unless the user chose a value."""
+    from ckless_lightning.runtime.contract import launcher_env
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    assert launcher_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    assert launcher_env()["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

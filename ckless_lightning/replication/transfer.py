@@ -10,7 +10,8 @@ end every rank of the group learns which receivers got everything, so all
 ranks take the same decision (resume, try another source, or fall back to disk).
 
 Works over any ``torch.distributed`` backend with point-to-point support
-(gloo on CPU, NCCL on CUDA): all arithmetic stays on the tensors' device.
+(gloo on CPU, NCCL on CUDA): buckets and checksums live on the group's device
+(CUDA for NCCL, else CPU), whatever device the tensors are on.
 Ranks in ``pairs`` are global ranks (``torch.distributed.get_rank()``), also
 when ``group`` is not the default group; they must be members of ``group``.
 """
@@ -263,7 +264,9 @@ def transfer_tensors(
     recv = next((p for p in pairs if p.dst == me), None)
     failed = False
     if sends or recv is not None:
-        device = tensors[0].device if tensors else _control_device(group)
+        # Buckets live where the group sends from: a buddy's host copy goes out over NCCL through
+        # the device (NCCL cannot send CPU tensors), a CUDA shard over gloo through host memory.
+        device = _control_device(group)
         largest = max(layout.bucket_nbytes(i) for i in range(layout.num_buckets)) if tensors else 0
         send_buf = torch.zeros(largest if sends else 0, dtype=torch.uint8, device=device)
         recv_buf = torch.empty(largest if recv is not None else 0, dtype=torch.uint8, device=device)

@@ -32,6 +32,7 @@ __all__ = [
     "ENV_SPAWN_TIME",
     "ENV_STORE_ADDR",
     "ENV_STORE_PORT",
+    "NCCL_ERROR_HANDLING",
     "ExitCode",
     "RankContext",
     "RankSpec",
@@ -97,9 +98,16 @@ class RankSpec:
         }
 
 
+# NCCL: on a communicator error or timeout, torch's watchdog only aborts the communicator (2,
+# "CleanUpOnly"); the blocked call raises in the rank, which recovers in-process (tiers 3-4) or
+# exits for the agent (tiers 0-2). torch's default (3) tears the process down, survivors included.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 def launcher_env() -> dict[str, str]:
-    """The environment of every process the agent starts: this one's, unbuffered, with the agent's pid."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", ENV_LAUNCHER_PID: str(os.getpid())}
+    """The environment of every process the agent starts: this one's, unbuffered, with the agent's pid,
+    and :data:`NCCL_ERROR_HANDLING` unless the user set those variables."""
+    return {**NCCL_ERROR_HANDLING, **os.environ, "PYTHONUNBUFFERED": "1", ENV_LAUNCHER_PID: str(os.getpid())}
 
 
 @dataclass(frozen=True)
