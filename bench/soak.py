@@ -1,19 +1,24 @@
 """Many random faults in one job: survived, recoveries, lost steps, leaks, goodput, bitwise equality.
 
     python bench/soak.py [--faults 100] [--mtbf-steps 3] [--tier 4] [--types kill hang stall exception]
-                         [--injected-by inside] [--keep] [override ...]
+                         [--injected-by inside] [--chaos-mtbf-s S] [--steps N] [--keep] [override ...]
 
 One ``launch.py`` job (``llama3_tiny``, 4 ranks, the default tier 4 with a spare) with
 ``fault=random``: ``--faults`` faults drawn by the job's own seeded schedule (exponential
 arrivals, mean ``--mtbf-steps`` optimizer steps apart; each a random rank, phase and type of
 ``--types``), long enough for all of them, a fault budget above their number, a short
 ``agent.hang_timeout`` (a ``stall`` is only found by it), no disk checkpoint at tier 4. Then the
-same job without faults. Printed:
+same job without faults. With ``--chaos-mtbf-s S`` the faults are ``fault=chaos`` instead: the agent
+sends SIGKILL or SIGSTOP to a random process of the job (a rank, the warm spare, the batch-cache
+reader) every S seconds on average from the start, in any phase (start-up, recoveries and process-group
+formation included), with a disk checkpoint every 10 steps for a rank and its buddy lost together.
+Printed:
 
 - faults injected, detected, recovered (the job's own summary), generations, steps redone, and
   goodput (fault-free time over wall time);
 - bitwise: every step's loss and the final weights and optimizer state against the fault-free run;
-- leaks, after the job ended: processes whose command line names the run directory, batch-cache
+- leaks, after the job ended: processes the job started (ranks, spares, readers: their pids from the
+  event log) or whose command line names the run directory, batch-cache
   directories of the job under ``/dev/shm``, and from each rank's ``rank_end`` record the threads,
   TCP sockets and process groups it still held at its end (max over ranks and generations).
 
@@ -63,6 +68,15 @@ def leftovers(run_dir: Path) -> list[str]:
     return found
 
 
+def started_alive(events: list[dict]) -> list[str]:
+    """Processes the job's agents started (ranks, spares, readers) that are still alive."""
+    pids = {pid for e in events if e["kind"] == "ranks_started" for pid in e["pids"]}
+    pids |= {e["pid"] for e in events if e["kind"] in ("spare_started", "reader_started")}
+    return [
+        f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}" for pid in pids if psutil.pid_exists(pid)
+    ]
+
+
 def cache_dirs(events: list[dict]) -> list[str]:
     roots = {e["root"] for e in events if e["kind"] == "reader_started" and "root" in e}
     return sorted(r for r in roots if Path(r).exists())
@@ -78,11 +92,22 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["kill", "hang", "stall", "exception"])
     parser.add_argument("--injected-by", choices=["inside", "outside"], default="inside")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chaos-mtbf-s", type=float, default=None, help="fault=chaos, S seconds apart")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="trainer.max_steps (default: from the faults)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run directories (path printed)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
     args = parser.parse_args()
 
-    steps = int(args.faults * args.mtbf_steps * 1.5) + 10
+    chaos = args.chaos_mtbf_s is not None
+    if args.steps is not None:
+        steps = args.steps
+    elif chaos:  # ~0.5 s per step here, and each fault costs a recovery
+        steps = int(args.faults * args.chaos_mtbf_s / 0.5) + 20
+    else:
+        steps = int(args.faults * args.mtbf_steps * 1.5) + 10
+    every = 10 if chaos else 0 if args.tier == 4 else 5
     common = [
         f"tier={args.tier}",
         f"trainer.max_steps={steps}",
@@ -90,16 +115,22 @@ def main() -> None:
         "agent.hang_timeout=6",
         "agent.recovery_timeout=120",
         "comm.init_timeout_s=60",
-        *(["checkpoint.every_n_steps=0"] if args.tier == 4 else ["checkpoint.every_n_steps=5"]),
+        f"checkpoint.every_n_steps={every}",
         *args.overrides,
     ]
+    if chaos:
+        kind = ["fault=chaos", f"fault.mtbf_s={args.chaos_mtbf_s}"]
+    else:
+        kind = [
+            "fault=random",
+            f"fault.mtbf_steps={args.mtbf_steps}",
+            f"fault.injected_by={args.injected_by}",
+            f"fault.types=[{','.join(args.types)}]",
+        ]
     faulty = [
-        "fault=random",
+        *kind,
         f"fault.max_faults={args.faults}",
-        f"fault.mtbf_steps={args.mtbf_steps}",
         f"fault.seed={args.seed}",
-        f"fault.injected_by={args.injected_by}",
-        f"fault.types=[{','.join(args.types)}]",
         f"agent.max_restarts={args.faults + 10}",
         f"agent.restart_window_s={10 * 24 * 3600}",
     ]
@@ -109,12 +140,13 @@ def main() -> None:
     budget_s = 600 + steps * 10 + args.faults * 60
     code = launch(run, [*common, *faulty], budget_s)
     events = read_events(run / "events.jsonl")
-    alive = leftovers(run)
+    alive = sorted(set(leftovers(run)) | set(started_alive(events)))
     caches = cache_dirs(events)
     summary = summarize_run(run)
     code_ref = launch(reference, [*common, "fault=none"], 600 + steps * 10)
 
     injected = [e for e in events if e["kind"] == "fault_injected"]
+    others = [e for e in events if e["kind"] == "process_fault_injected"]
     detected = [e for e in events if e["kind"] == "fault_detected"]
     ends = [e for e in events if e["kind"] == "rank_end"]
     redone = [f.steps_lost for f in summary.faults if f.steps_lost is not None]
@@ -122,10 +154,15 @@ def main() -> None:
     for e in injected:
         by_type[e["fault_type"]] = by_type.get(e["fault_type"], 0) + 1
 
-    print(f"soak: {args.faults} random faults planned, tier {args.tier}, {steps} steps, exit code {code}")
+    for e in others:
+        key = f"{e['target']} {e['signal']}"
+        by_type[key] = by_type.get(key, 0) + 1
+    how = f"chaos (mean {args.chaos_mtbf_s:g} s apart)" if chaos else "random"
+    print(f"soak: {args.faults} {how} faults planned, tier {args.tier}, {steps} steps, exit code {code}")
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(by_type.items()))
     print(
-        f"  injected {len(injected)} ({', '.join(f'{k} {v}' for k, v in sorted(by_type.items()))}), "
-        f"detected by agents {len(detected)}, generations {summary.generations}"
+        f"  injected {len(injected) + len(others)} ({kinds}), "
+        f"on ranks {len(injected)}, detected by agents {len(detected)}, generations {summary.generations}"
     )
     recovered = sum(1 for f in summary.faults if f.outcome == "recovered")
     print(

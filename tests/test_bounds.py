@@ -110,10 +110,47 @@ def test_heartbeat_phase_round_trip_and_limits():
     beat = Heartbeat(3, 7, 12.5, "recovery")
     assert Heartbeat.parse(beat.encode().encode()) == beat
     assert Heartbeat.parse(b"3 7 12.5").phase == "step"  # a beat written without a phase
-    cfg = AgentConfig(hang_timeout=5, startup_timeout=50, recovery_timeout=20)
+    cfg = AgentConfig(hang_timeout=5, startup_timeout=50, recovery_timeout=20, save_timeout=90)
     assert silence_limit(Heartbeat(0, 7, 0.0), cfg) == 5
     assert silence_limit(Heartbeat(0, -1, 0.0), cfg) == 50
     assert silence_limit(Heartbeat(0, 7, 0.0, "recovery"), cfg) == 20
+    assert silence_limit(Heartbeat(0, 7, 0.0, "save"), cfg) == 90
+
+
+def test_a_checkpoint_save_is_a_declared_phase(tmp_path):
+    """A rank beats phase ``save`` as a checkpoint is assembled (its long write is not a hang) and
+    ``step`` again at the next batch; the beats carry the completed step."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ckless_lightning.training.callbacks import HeartbeatCallback
+
+    class Beats:
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, str]] = []
+
+        def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
+            if not self.seen or self.seen[-1] != (beat.completed_step, beat.phase):
+                self.seen.append((beat.completed_step, beat.phase))
+
+    beats = Beats()
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        max_steps=4,
+        callbacks=[
+            HeartbeatCallback(beats, rank=0, generation=0),  # type: ignore[arg-type]
+            ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(BoringModel())
+    assert (2, "save") in beats.seen and (4, "save") in beats.seen, beats.seen
+    assert beats.seen[beats.seen.index((2, "save")) + 1] == (2, "step"), beats.seen
 
 
 def test_agent_heartbeat_is_a_counter_not_a_clock(store):

@@ -67,6 +67,8 @@ def silence_limit(beat: Heartbeat, cfg: AgentConfig) -> float:
     """How long a running rank may stay silent after ``beat`` before it counts as hung."""
     if beat.phase == "recovery":
         return cfg.recovery_timeout
+    if beat.phase == "save":
+        return cfg.save_timeout
     return cfg.startup_timeout if beat.completed_step < 0 else cfg.hang_timeout
 
 

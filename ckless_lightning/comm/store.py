@@ -62,9 +62,11 @@ def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float = 3
 class Heartbeat:
     """A rank's beat: its generation, its completed step (-1 while starting up), when, and its phase.
 
-    ``phase`` is ``"step"`` while training (or starting up) and ``"recovery"`` from the moment a
-    rank leaves a generation until it trains again: the agent gives each phase its own silence
-    limit (``agent.hang_timeout``, ``agent.startup_timeout``, ``agent.recovery_timeout``).
+    ``phase`` is ``"step"`` while training (or starting up), ``"recovery"`` from the moment a
+    rank leaves a generation until it trains again, and ``"save"`` from the start of a checkpoint
+    save to the next batch: the agent gives each phase its own silence limit
+    (``agent.hang_timeout``, ``agent.startup_timeout``, ``agent.recovery_timeout``,
+    ``agent.save_timeout``).
     """
 
     gen: int

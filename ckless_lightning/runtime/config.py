@@ -183,7 +183,8 @@ class AgentConfig:
     seconds once it has completed a step, for ``startup_timeout`` seconds
     before its first step (imports, rendezvous, model build and restore), or
     for ``recovery_timeout`` seconds while it recovers in-process (tiers 3-4:
-    from leaving a generation to its next step). A stopped process (state T)
+    from leaving a generation to its next step), or for ``save_timeout`` seconds
+    while it saves a checkpoint (a long save is not a hang). A stopped process (state T)
     is killed at once, in any phase; so is a stopped batch-cache reader or spare.
     More than ``max_restarts`` restarts within ``restart_window_s`` spends the
     fault budget: the agents stop the job and exit with code 75 (EX_TEMPFAIL),
@@ -194,6 +195,7 @@ class AgentConfig:
     hang_timeout: float = 60.0
     startup_timeout: float = 600.0
     recovery_timeout: float = 300.0
+    save_timeout: float = 600.0
     node_timeout: float = 30.0
     max_restarts: int = 3
     restart_window_s: float = 3600.0
@@ -209,6 +211,7 @@ class AgentConfig:
             "hang_timeout",
             "startup_timeout",
             "recovery_timeout",
+            "save_timeout",
             "node_timeout",
             "restart_window_s",
             "monitor_interval",

@@ -2,8 +2,10 @@
 
 The beat carries the last completed optimizer step, so the agent tells a rank
 that is starting up (step -1: ``agent.startup_timeout``) from one that stopped
-making progress (``agent.hang_timeout``). No thread: a rank blocked in a
-collective or stopped by a signal stops beating, which is the point.
+making progress (``agent.hang_timeout``); a checkpoint save is declared (phase
+``save``: ``agent.save_timeout``) so a long one is not taken for a hang. No
+thread: a rank blocked in a collective or stopped by a signal stops beating,
+which is the point.
 """
 
 from __future__ import annotations
@@ -29,8 +31,18 @@ class HeartbeatCallback(pl.Callback):
         self.generation = generation
         self._started = False
 
-    def beat(self, completed_step: int) -> None:
-        self.store.set_rank_heartbeat(self.rank, Heartbeat(self.generation, completed_step, time.time()))
+    def beat(self, completed_step: int, phase: str = "step") -> None:
+        self.store.set_rank_heartbeat(
+            self.rank, Heartbeat(self.generation, completed_step, time.time(), phase)
+        )
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """As the checkpoint is assembled, before it is written: the save's own silence limit applies
+        until the next batch beats again."""
+        self.beat(trainer.global_step if self._started else -1, phase="save")
 
     @override
     def on_train_batch_start(
