@@ -14,8 +14,9 @@ reader) every S seconds on average from the start, in any phase (start-up, recov
 formation included), with a disk checkpoint every 10 steps for a rank and its buddy lost together.
 Printed:
 
-- faults injected, detected, recovered (the job's own summary), generations, steps redone, and
-  goodput (fault-free time over wall time);
+- faults injected, detected, recovered (the job's own summary), generations, steps redone, goodput
+  (productive step time over wall time, start-up and recoveries excluded) and ML goodput (steps kept
+  over steps computed);
 - bitwise: every step's loss and the final weights and optimizer state against the fault-free run;
 - leaks, after the job ended: processes the job started (ranks, spares, readers: their pids from the
   event log) or whose command line names the run directory, batch-cache
@@ -171,8 +172,8 @@ def main() -> None:
     )
     if summary.goodput is not None:
         print(
-            f"  goodput {summary.goodput:.3f}, wall {summary.wall_s:.0f} s, "
-            f"median step {summary.step_time_s:.3f} s"
+            f"  goodput {summary.goodput:.3f}, ML goodput {summary.ml_goodput:.3f}, "
+            f"wall {summary.wall_s:.0f} s, median step {summary.step_time_s:.3f} s"
         )
     if summary.giveup_reason:
         print(f"  gave up: {summary.giveup_reason}")

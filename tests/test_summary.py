@@ -129,7 +129,7 @@ def test_tier0_single_fault_every_figure():
     assert s.steps_done == 10
     assert s.step_time_s == 0.5  # the 10 s gap 5 -> 5 is excluded
     assert s.startup_s == 10.0
-    assert s.goodput == (10.0 + 10 * 0.5) / 25.0
+    assert s.goodput == 10 * 0.5 / 25.0  # productive step time over wall: start-up is not
     assert s.generations == 2
     assert (s.exit_code, s.giveup_reason) == (0, None)
 
@@ -142,7 +142,8 @@ def test_tier0_table_text():
     row = lines[lines.index(header) + 1]
     assert row.split() == ["1", "sigkill@1", "6", "backward", "agent0",
                            "0.25", "1.00", "1.25", "3.50", "0.75", "2.25", "1.00", "9.25", "1"]  # fmt: skip
-    assert "goodput          60.0%" in text
+    assert "goodput          20.0%" in text
+    assert "ML goodput       90.9% = steps kept / steps computed (1 lost)" in text
     assert "wall time        25.00 s" in text
     assert "exit status      0" in text
     assert "generations      2" in text
@@ -201,7 +202,7 @@ def test_gave_up():
     assert (f.detection_s, f.stop_s) == (0.5, 0.5)
     assert None is f.process_start_s is f.imports_s is f.total_s is f.resumed_from_step is f.steps_lost
     assert s.wall_s == 13.5 and s.steps_done == 2 and s.step_time_s == 1.0 and s.startup_s == 10.0
-    assert s.goodput == (10.0 + 2 * 1.0) / 13.5
+    assert s.goodput == 2 * 1.0 / 13.5
     assert (s.exit_code, s.giveup_reason, s.generations) == (1, "fault budget spent (0 restarts)", 1)
     text = s.format()
     row = next(line for line in text.splitlines() if line.startswith("1 "))
@@ -278,7 +279,8 @@ def test_two_faults_warm_spare_then_in_process():
     # 5->6 0.5; 6->6 is a redo; 6->7, 7->8 0.75.
     assert s.step_time_s == 0.625
     assert s.steps_done == 8 and s.wall_s == 20.0 and s.startup_s == 10.0
-    assert s.goodput == (10.0 + 8 * 0.625) / 20.0 == 0.75
+    assert s.goodput == 8 * 0.625 / 20.0 == 0.25
+    assert s.ml_goodput == 8 / 9  # step 6 computed twice
     assert s.generations == 3
     rows = [line.split() for line in s.format().splitlines() if line[:2] in ("1 ", "2 ")]
     assert rows[1] == ["2", "exception@2", "7", "forward", "rank0",
@@ -308,7 +310,7 @@ def test_fault_during_recovery_is_superseded():
 def test_no_faults_and_empty():
     s = summarize([*gen0(), ev(1020.0, "job_end", exit_code=0, final_step=20)],
                   loss_records([(i, 1010.0 + 0.5 * (i - 1)) for i in range(1, 21)]))  # fmt: skip
-    assert s.faults == [] and s.goodput == (10.0 + 20 * 0.5) / 20.0 == 1.0
+    assert s.faults == [] and s.goodput == 20 * 0.5 / 20.0 == 0.5 and s.ml_goodput == 1.0
     assert "faults: none" in s.format()
     empty = summarize([])
     assert empty.wall_s is None and empty.exit_code is None and empty.generations == 0
@@ -373,3 +375,36 @@ def test_summarize_run_reads_both_files(tmp_path):
     (tmp_path / "losses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tier0_losses()))
     assert read_jsonl(tmp_path / "losses.jsonl") == tier0_losses()
     assert summarize_run(tmp_path) == summarize(tier0_events(), tier0_losses())
+
+
+def test_a_step_rolled_back_by_every_rank_counts_as_lost():
+    """Tier 4: rank 1 is killed in step 5 after the commit; its peers completed step 5 and say so as
+    they leave the generation, but its buddy's copy holds step 4, so every rank resumes from step 4:
+    step 5 is redone, one step lost (not 0, as ``fault_step - 1 - resumed`` would say)."""
+    events = gen0()
+    events += [
+        ev(1012.0, "fault_injected", "rank1", rank=1, step=5, phase="optimizer", fault_type="kill",
+           injected_by="inside"),
+        ev(1012.1, "generation", "rank0", gen=1, reason="fault"),
+    ]  # fmt: skip
+    for r in (0, 2, 3):
+        events.append(
+            ev(
+                1012.05,
+                "rank_phase",
+                f"rank{r}",
+                rank=r,
+                gen=0,
+                phase="recovery_start",
+                step=None,
+                completed_step=5,
+            )
+        )
+    for r in range(4):
+        times = {"comm_init_start": 1012.2, "comm_init_done": 1012.3, "state_load_start": 1012.3}
+        times |= {"state_load_done": 1012.5, "data_ready": 1012.6, "first_step_done": 1013.0}
+        events += phases(1, r, times, 4, 5)
+    events.append(ev(1016.0, "job_end", exit_code=0, final_step=8))
+    (fault,) = summarize(events).faults
+    assert (fault.fault_step, fault.completed_before, fault.resumed_from_step) == (5, 5, 4)
+    assert fault.steps_lost == 1

@@ -23,7 +23,8 @@ line N of ``losses.jsonl``. The kinds and their fields:
     fetched), ``first_step_done`` (step = the first optimizer step this process
     completed). A phase a tier skips is not emitted. In-process recovery (tiers 3-4)
     adds, before ``comm_init_start``: ``recovery_start`` (gen = the failed generation;
-    ``error``: what this rank saw), ``generation_left`` (its process group dropped),
+    ``error``: what this rank saw; ``completed_step``: the last step it had completed),
+    ``generation_left`` (its process group dropped),
     ``generation_joined`` (gen = the new generation: every rank is in it), and
     ``resume_chosen`` (``resumed_from``: the checkpoint, or "memory" at tier 4).
     Also: ``model_ready`` {weights: "initialized" | "allocated" | "adopted", seconds}

@@ -38,7 +38,10 @@ class FaultRecovery:
     last new process started. ``imports_s``, ``comm_init_s``, ``state_load_s``:
     the slowest rank's phase. ``data_ready_s``: state loaded -> first batch
     (slowest rank). ``total_s``: fault -> last rank's first completed step in the
-    new generation. ``steps_lost``: steps completed before the fault that were redone.
+    new generation. ``steps_lost``: steps completed anywhere before the recovery that were redone
+    (``completed_before`` - ``resumed_from_step``): also those every rank rolled back past the
+    fault's step (tier 4: a rank killed between the commit and its update leaves its buddy's copy
+    one step behind what its peers completed).
     """
 
     index: int
@@ -60,6 +63,7 @@ class FaultRecovery:
     data_ready_s: float | None = None
     total_s: float | None = None
     resumed_from_step: int | None = None
+    completed_before: int | None = None  # the highest step any rank completed before the recovery
     steps_lost: int | None = None
     # or "gave up: <reason>", "no new generation", "superseded by fault <n>", "no completed step"
     outcome: str = "recovered"
@@ -80,7 +84,8 @@ class JobSummary:
     steps_done: int | None = None
     step_time_s: float | None = None
     startup_s: float | None = None
-    goodput: float | None = None
+    goodput: float | None = None  # productive step time / wall time: steps done x median step / wall
+    ml_goodput: float | None = None  # steps kept / steps computed (steps done + steps lost)
     generations: int = 0
     exit_code: int | None = None
     giveup_reason: str | None = None
@@ -146,9 +151,12 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
     first_steps = [e["t"] for e in _phases(events, 0) if e["phase"] == "first_step_done"]
     if starts and first_steps:
         summary.startup_s = min(first_steps) - starts[0]["t"]
-    if None not in (summary.startup_s, summary.steps_done, summary.step_time_s) and summary.wall_s:
-        fault_free = summary.startup_s + summary.steps_done * summary.step_time_s  # type: ignore[operator]
-        summary.goodput = fault_free / summary.wall_s
+    if None not in (summary.steps_done, summary.step_time_s) and summary.wall_s:
+        # Start-up and recoveries are not productive time (the usual definition of goodput).
+        summary.goodput = summary.steps_done * summary.step_time_s / summary.wall_s  # type: ignore[operator]
+    if summary.steps_done:
+        lost = sum(f.steps_lost or 0 for f in summary.faults)
+        summary.ml_goodput = summary.steps_done / (summary.steps_done + lost)
     return summary
 
 
@@ -246,9 +254,22 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
     loaded = by_phase.get("state_load_done", {})
     if loaded:
         fault.resumed_from_step = loaded.get(0, loaded[min(loaded)]).get("step")
-    if fault.fault_step is not None and fault.resumed_from_step is not None:
-        # Tier 4 may resume past the fault's step (committed before a rank died in its update).
-        fault.steps_lost = max(0, fault.fault_step - 1 - fault.resumed_from_step)
+    # What was done before the recovery: the step before the fault's, and what ranks that left the
+    # old generation in-process (tiers 3-4) or the detection say they had completed.
+    done = [fault.fault_step - 1] if fault.fault_step is not None else []
+    done += [int(d["completed_step"]) for d in detections if d.get("completed_step") is not None]
+    done += [
+        int(e["completed_step"])
+        for e in after
+        if e["kind"] == "rank_phase"
+        and e["phase"] == "recovery_start"
+        and e.get("gen") == fault.old_gen
+        and e.get("completed_step") is not None
+    ]
+    if done:
+        fault.completed_before = max(done)
+    if fault.completed_before is not None and fault.resumed_from_step is not None:
+        fault.steps_lost = max(0, fault.completed_before - fault.resumed_from_step)
     return fault
 
 
@@ -346,9 +367,14 @@ def _fault_table(faults: list[FaultRecovery]) -> list[str]:
     return out
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
 def _footer(s: JobSummary) -> list[str]:
     steps = _opt(s.steps_done)
-    goodput = "-" if s.goodput is None else f"{100 * s.goodput:.1f}%"
+    recovering = [f.total_s for f in s.faults if f.total_s is not None]
+    lost = sum(f.steps_lost or 0 for f in s.faults)
     if s.exit_code is None:
         status = "unknown (no job_end event)"
     else:
@@ -360,7 +386,9 @@ def _footer(s: JobSummary) -> list[str]:
         f"steps done       {steps}",
         f"median step      {_secs(s.step_time_s)} s (consecutive steps with no fault between)",
         f"startup          {_secs(s.startup_s)} s (job start -> first step of generation 0)",
-        f"goodput          {goodput} = (startup + steps done x median step) / wall time",
+        f"recoveries       {len(recovering)}, {_secs(sum(recovering))} s (fault -> first step after it)",
+        f"goodput          {_percent(s.goodput)} = steps done x median step / wall time",
+        f"ML goodput       {_percent(s.ml_goodput)} = steps kept / steps computed ({lost} lost)",
         f"generations      {s.generations}",
         f"exit status      {status}",
     ]

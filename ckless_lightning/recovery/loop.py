@@ -347,7 +347,9 @@ class InProcessRecovery:
         """Drop the process group and move past the current generation (a fault, also in recovery)."""
         old = self.session.generation
         completed = self.session.completed_step
-        self._phase("recovery_start", old, error=f"{type(err).__name__}: {str(err)[:200]}")
+        self._phase(
+            "recovery_start", old, error=f"{type(err).__name__}: {str(err)[:200]}", completed_step=completed
+        )
         print(
             f"rank {self.rank}: leaving generation {old} after step {completed} "
             f"({type(err).__name__}: {str(err)[:200]})",

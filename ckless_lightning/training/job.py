@@ -41,6 +41,7 @@ from ckless_lightning.training.callbacks import (
 )
 from ckless_lightning.training.datamodule import TokenDataModule
 from ckless_lightning.training.module import CausalLMModule
+from ckless_lightning.training.quiet import quiet_known_noise
 from ckless_lightning.training.strategy import CheckpointlessStrategy
 
 __all__ = ["build_datamodule", "build_module", "build_trainer", "train_rank"]
@@ -170,6 +171,7 @@ def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer:
     ``context`` is what the agent told this process (heartbeats, generation, job
     store); under torchrun (no store) the rank runs on Lightning's own init.
     """
+    quiet_known_noise(job.checkpoint.dir)
     events = EventLog(Path(job.run_dir) / "events.jsonl", source=f"rank{context.rank}")
     if context.spawn_time:
         events.emit(
