@@ -42,7 +42,13 @@ def run_job(cfg: DictConfig) -> int:
     config_path = run_dir / ("config.yaml" if node == 0 else f"config.node{node}.yaml")
     OmegaConf.save(OmegaConf.create(container), config_path)
 
-    from ckless_lightning.runtime.memory_plan import available_bytes_per_rank, check_fits, plan_job
+    from ckless_lightning.runtime.memory_plan import (
+        available_bytes_per_rank,
+        check_fits,
+        host_bytes_per_rank,
+        plan_job,
+        state_on_gpu,
+    )
 
     plan = plan_job(job)
     if job.dry_run:
@@ -56,8 +62,10 @@ def run_job(cfg: DictConfig) -> int:
         return 0
 
     available, source = available_bytes_per_rank(job.cluster.accelerator, job.cluster.nproc_per_node)
+    gpu = state_on_gpu(job.cluster.accelerator)
+    host = host_bytes_per_rank(job.cluster.nproc_per_node) if gpu else None
     try:
-        check_fits(plan, available, source)
+        check_fits(plan, available, source, host_available=host)
     except MemoryError as err:
         _error("refused", err)
         return ExitCode.DOES_NOT_FIT

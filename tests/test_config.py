@@ -128,3 +128,29 @@ def test_fault_plan_and_recovery_phase_checks(compose):
         job_config_from_dict(compose("tier='3'", "fault=kill", "fault.type=corrupt", "fault.phase=transfer"))
     job = job_config_from_dict(compose("tier='3'", "fault=plan", "fault.plan=[{type:kill,rank:1,step:3}]"))
     assert [(f.type, f.rank, f.step) for f in job.fault.plan_entries()] == [("kill", 1, 3)]
+
+
+def test_memory_plan_counts_tier4_host_copies_and_refuses_what_does_not_fit(compose):
+    """Tier 4 with buddies keeps four host copies of each rank's shard (parameters and AdamW state)
+    plus loop state; the dry-run plan lists them, the fit check counts them (against the same RAM on
+    CPU, against host RAM on GPU) and names the way out. HSDP needs no host copies."""
+    buddy = plan_job(
+        job_config_from_dict(
+            compose("recipe=llama3_8b", "tier='4'", "cluster.replicate=1", "cluster.shard=-1")
+        )
+    )
+    shard_state = buddy.param_bytes + buddy.optim_bytes
+    assert buddy.replication == "buddy"
+    assert buddy.host_copy_bytes == 4 * (shard_state + (1 << 20))
+    assert buddy.snapshot_bytes == shard_state
+    assert "host copies" in buddy.format() and "per snapshot" in buddy.format()
+    device = buddy.total_bytes + buddy.recovery_peak_bytes
+    check_fits(buddy, available=4 * device, source="gpu", host_available=4 * buddy.host_copy_bytes)
+    with pytest.raises(MemoryError, match=r"(?s)buddy copies need .*replication\.source=hsdp"):
+        check_fits(buddy, available=4 * device, source="gpu", host_available=buddy.host_copy_bytes)
+    with pytest.raises(MemoryError, match=r"host copies and recovery buckets"):  # CPU: one memory for all
+        check_fits(buddy, available=int((device + buddy.host_copy_bytes) / 0.7), source="host RAM")
+    hsdp = plan_job(job_config_from_dict(compose("recipe=llama3_8b", "tier='4'")))  # its mesh is HSDP
+    assert hsdp.replication == "hsdp" and hsdp.host_copy_bytes == 0 and "no host copies" in hsdp.format()
+    tier3 = plan_job(job_config_from_dict(compose("recipe=llama3_8b", "tier='3'")))
+    assert tier3.replication is None and tier3.host_copy_bytes == 0 == tier3.recovery_peak_bytes

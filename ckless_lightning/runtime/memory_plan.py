@@ -8,6 +8,14 @@ rank's share is counted (FSDP2 pads uneven shards). Activations and the
 transient all-gathered block are not counted: the fit check demands headroom
 for them instead.
 
+Tier 4 adds host memory: with ``replication.source=buddy`` every rank keeps
+four copies of its shard's parameters and optimizer state in host memory (its
+own two double-buffered slots and two of its buddy's), and copies and sends one
+shard per snapshot; a recovery's transfer holds two buckets
+(``replication.bucket_mb``) on the group's device. HSDP needs none of it (the
+replica is the copy). On CPU that host memory comes out of the same RAM as the
+state, so the fit check counts both; on GPU it is checked against host RAM.
+
 It also estimates the seed-only weight init per rank: the random elements the
 rank draws (about its shard, ``models.init``) times a per-element cost measured
 on one core of the dev machine (``INIT_NS_PER_ELEMENT``).
@@ -27,8 +35,10 @@ __all__ = [
     "MemoryPlan",
     "available_bytes_per_rank",
     "check_fits",
+    "host_bytes_per_rank",
     "plan_job",
     "resolve_accelerator",
+    "state_on_gpu",
 ]
 
 # The sharded state may use at most this share of a rank's memory; the rest is
@@ -51,6 +61,14 @@ class MemoryPlan:
     optim_bytes: int
     init_draw_elements: int = 0  # random elements init_weights draws on shard rank 0 (the largest)
     init_ns_per_element: float = 0.0
+    replication: str | None = None  # tier 4's source ("buddy" / "hsdp"); None below tier 4
+    host_copy_bytes: int = 0  # tier 4 buddy: the four host slots (own two, the buddy's two)
+    snapshot_bytes: int = 0  # tier 4 buddy: copied locally and sent to the buddy per snapshot
+    recovery_peak_bytes: int = 0  # tier 4: a transfer's send and receive buckets
+
+    @property
+    def host_slots(self) -> int:
+        return 4 if self.replication == "buddy" else 0
 
     @property
     def init_seconds(self) -> float:
@@ -75,11 +93,28 @@ class MemoryPlan:
             f"  gradients        {_size(self.grad_bytes)}",
             f"  optimizer state  {_size(self.optim_bytes)}  (AdamW exp_avg + exp_avg_sq)",
             f"  total            {_size(self.total_bytes)}  (activations not included)",
+            *self._tier4_lines(),
             f"weight init:  ~{_duration(self.init_seconds)} per rank (estimate: "
             f"{_count(self.init_draw_elements)} random draws x {self.init_ns_per_element} ns "
             "on one CPU core)",
         ]
         return "\n".join(lines)
+
+    def _tier4_lines(self) -> list[str]:
+        if self.replication is None:
+            return []
+        if self.replication == "hsdp":
+            return [
+                "tier 4 (replication.source=hsdp): no host copies, the other replica holds each shard",
+                f"  recovery peak    {_size(self.recovery_peak_bytes)}  (a transfer's send + receive bucket)",
+            ]
+        return [
+            "tier 4 (replication.source=buddy), host memory per rank:",
+            f"  host copies      {_size(self.host_copy_bytes)}  ({self.host_slots} slots x (parameters + "
+            "optimizer state + loop state): own two, the buddy's two)",
+            f"  per snapshot     {_size(self.snapshot_bytes)}  copied, and as much sent to the buddy",
+            f"  recovery peak    {_size(self.recovery_peak_bytes)}  (a transfer's send + receive bucket)",
+        ]
 
 
 def _count(n: int) -> str:
@@ -111,6 +146,9 @@ def plan_job(job: JobConfig) -> MemoryPlan:
         size = p.shape[dim] if p.ndim else 1
         shard_elems += math.ceil(size / shard) * (p.numel() // max(size, 1))
     master = 2 if job.trainer.precision == "bf16-true" else 4
+    replication = job.replication.resolved_source(job.cluster.replicate) if job.tier == 4 else None
+    copied = 3 * shard_elems * master  # parameters + AdamW's two moments
+    loop = int(job.replication.loop_capacity_mb * (1 << 20))
     return MemoryPlan(
         recipe=job.recipe,
         model=type(model).__name__,
@@ -124,6 +162,11 @@ def plan_job(job: JobConfig) -> MemoryPlan:
         optim_bytes=2 * shard_elems * master,
         init_draw_elements=init_draw_count(model, dims, shard, shard_rank=0),
         init_ns_per_element=INIT_NS_PER_ELEMENT,
+        replication=replication,
+        host_copy_bytes=4 * (copied + loop) if replication == "buddy" else 0,
+        snapshot_bytes=copied if replication == "buddy" else 0,
+        # buckets are as large as the state they carry, up to replication.bucket_mb
+        recovery_peak_bytes=2 * min(int(job.replication.bucket_mb * (1 << 20)), copied) if replication else 0,
     )
 
 
@@ -139,25 +182,52 @@ def resolve_accelerator(name: str) -> str:
     return name
 
 
-def available_bytes_per_rank(accelerator: str, nproc_per_node: int) -> tuple[int, str]:
-    """Memory one rank of this machine can use, and where that figure comes from."""
-    if accelerator in ("gpu", "auto") and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        return total, f"GPU memory of {torch.cuda.get_device_name(0)}"
+def host_bytes_per_rank(nproc_per_node: int) -> int:
+    """A rank's share of this machine's available host RAM."""
     import psutil
 
-    available = psutil.virtual_memory().available
-    return available // nproc_per_node, f"available host RAM / {nproc_per_node} ranks per node"
+    return psutil.virtual_memory().available // nproc_per_node
 
 
-def check_fits(plan: MemoryPlan, available: int, source: str) -> None:
-    """Raise MemoryError (with the plan) if the sharded state leaves no room for activations."""
-    if plan.total_bytes <= HEADROOM * available:
-        return
-    raise MemoryError(
-        f"recipe {plan.recipe!r} does not fit this machine: its per-rank state needs "
-        f"{plan.total_bytes / _GIB:.2f} GiB, but a rank here has {available / _GIB:.2f} GiB ({source}) "
-        f"and the state may use at most {HEADROOM:.0%} of it.\n{plan.format()}\n"
-        "Run with dry_run=true to inspect the plan, shard over more ranks (cluster.*), "
-        "or pick a smaller recipe (e.g. recipe=llama3_tiny)."
-    )
+def state_on_gpu(accelerator: str) -> bool:
+    """Whether the ranks' state lives in GPU memory (else in host RAM, with tier 4's host copies)."""
+    return accelerator in ("gpu", "auto") and torch.cuda.is_available()
+
+
+def available_bytes_per_rank(accelerator: str, nproc_per_node: int) -> tuple[int, str]:
+    """Memory one rank of this machine can use, and where that figure comes from."""
+    if state_on_gpu(accelerator):
+        total = torch.cuda.get_device_properties(0).total_memory
+        return total, f"GPU memory of {torch.cuda.get_device_name(0)}"
+    return host_bytes_per_rank(nproc_per_node), f"available host RAM / {nproc_per_node} ranks per node"
+
+
+def check_fits(plan: MemoryPlan, available: int, source: str, *, host_available: int | None = None) -> None:
+    """Raise MemoryError (with the plan) if the sharded state leaves no room for activations, or
+    tier 4's host copies do not fit.
+
+    ``available``: a rank's share of the memory its state lives in (``source`` says which);
+    ``host_available``: a rank's share of host RAM when that is other memory (GPU training), None
+    when the state lives in host RAM too (then the host copies count against ``available``).
+    """
+    device = plan.total_bytes + plan.recovery_peak_bytes
+    if host_available is None:
+        device += plan.host_copy_bytes
+    if device > HEADROOM * available:
+        host = " and tier 4's host copies and recovery buckets" if plan.replication else ""
+        raise MemoryError(
+            f"recipe {plan.recipe!r} does not fit this machine: its per-rank state{host} need "
+            f"{device / _GIB:.2f} GiB, but a rank here has {available / _GIB:.2f} GiB ({source}) "
+            f"and they may use at most {HEADROOM:.0%} of it.\n{plan.format()}\n"
+            "Run with dry_run=true to inspect the plan, shard over more ranks (cluster.*), "
+            + ("use replication.source=hsdp with cluster.replicate=2 (no host copies), " if host else "")
+            + "or pick a smaller recipe (e.g. recipe=llama3_tiny)."
+        )
+    if host_available is not None and plan.host_copy_bytes > HEADROOM * host_available:
+        raise MemoryError(
+            f"recipe {plan.recipe!r}: tier 4's buddy copies need {plan.host_copy_bytes / _GIB:.2f} GiB of "
+            f"host memory per rank, but a rank's share of host RAM is {host_available / _GIB:.2f} GiB "
+            f"(at most {HEADROOM:.0%} of it).\n{plan.format()}\n"
+            "Use replication.source=hsdp with cluster.replicate=2 (no host copies), shard over more "
+            "ranks (cluster.*), or tier=3 (disk checkpoints only)."
+        )
