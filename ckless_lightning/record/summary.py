@@ -234,6 +234,13 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
     t_stop = max(stops) if stops else None
     if t_stop is not None and t_detect is not None:
         fault.stop_s = t_stop - t_detect
+    trained = [e["t"] for e in _phases(events, fault.old_gen) if e["phase"] == "first_step_done"]
+    if fault.old_gen > 0 and trained and min(trained) > t_f:
+        # The job was still recovering into old_gen when this fault hit, and that recovery went on
+        # to train: it absorbed the fault (a rank lost before joining is replaced in the same
+        # generation). The next generation event belongs to a later fault.
+        fault.outcome = "no new generation"
+        return fault
     if new_gen_event is None:
         giveups = _of(after, "giveup")
         fault.outcome = f"gave up: {giveups[0].get('reason')}" if giveups else "no new generation"
@@ -316,7 +323,7 @@ _LEGEND = (
     "seconds; '-': a phase this tier skips. detect: fault -> detected. stop: -> old ranks stopped.",
     "spawn: -> last new process started. import, comm, load: the slowest rank's imports, communicator",
     "init, state load. data: state loaded -> first batch. total: fault -> first completed step after it.",
-    "lost: steps completed before the fault that were redone.",
+    "lost: steps completed anywhere before the fault that were computed again (a rollback included).",
 )
 
 
