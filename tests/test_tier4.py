@@ -195,6 +195,20 @@ def test_lost_replica_pair_and_corrupt_bucket_fall_back_to_disk(tmp_path, data_c
     assert [e["fault_type"] for e in events_of(run, "fault_injected")].count("corrupt") == 1
 
 
+@pytest.mark.timeout(600)
+def test_state_lost_with_no_disk_checkpoint_starts_over_bitwise(tmp_path, data_cache, references):
+    """Shard 1 of both replicas killed at step 4 with no disk checkpoint: no copy of that state is
+    left anywhere, so every rank starts over from the job's start (seeded init, step-addressed
+    data) inside the job instead of giving up, and the run still ends bitwise equal."""
+    plan = [("kill", 1, 4, "forward"), ("kill", 3, 4, "forward")]
+    run = run_plan(tmp_path, data_cache, "llama3_tiny", HSDP, plan, *NO_DISK)
+    assert_same_run(run, references["llama3_tiny", "hsdp"], tmp_path, STEPS)
+    done = restores(run)
+    assert done[0]["step"] is None and done[0]["fallback"] is None, done
+    starts = [e for e in events_of(run, "rank_phase") if e["phase"] == "state_load_done" and e["gen"] > 0]
+    assert starts and all(e["step"] == 0 for e in starts if e["gen"] == max(s["gen"] for s in starts)), starts
+
+
 @pytest.mark.timeout(900)
 def test_uneven_and_empty_shards_restore_from_buddies_bitwise(tmp_path, data_cache):
     """3 ranks: FSDP2 shards dim 0 unevenly, and Mixtral's router [2, 128] leaves rank 2 an empty

@@ -258,6 +258,10 @@ class JobStore:
         """Some rank recorded a committed step in memory: a recovery can restore from memory."""
         self._tcp.set("state/recorded", "1")
 
+    def forget_recorded_state(self) -> None:
+        """No live copy of the recorded state is left (tier 4 starts over from the job's start)."""
+        self._tcp.delete_key("state/recorded")
+
     def state_recorded(self) -> bool:
         return self._tcp.check(["state/recorded"])
 

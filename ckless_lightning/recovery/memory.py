@@ -36,7 +36,6 @@ import torch.distributed as dist
 from ckless_lightning.comm import Generation
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import peak_rss_bytes
-from ckless_lightning.recovery.session import JobGaveUp
 from ckless_lightning.replication import (
     SnapshotCopies,
     SourceMap,
@@ -51,8 +50,13 @@ from ckless_lightning.replication.adopt import adopt_optimizer_state, adopt_para
 from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups, set_rng_state
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
-__all__ = ["MemoryRestore"]
+__all__ = ["MemoryRestore", "StartOver"]
 _MAX_PLANS = 4  # re-plans after checksum failures before giving up on memory
+
+
+class StartOver(RuntimeError):
+    """Tier 4 lost some state and there is no disk checkpoint: every rank leaves the generation and
+    the next one resumes from the job's start (``InProcessRecovery`` sees no recorded state)."""
 
 
 class MemoryRestore:
@@ -223,17 +227,17 @@ class MemoryRestore:
             reason=plan.reason,
             fallback=str(disk) if disk else None,
         )
+        if disk is None:
+            # Every rank computed the same plan: the state is gone for good. The job's start is
+            # still exact (seeded init, step-addressed data), so every rank leaves this generation
+            # and the next one resumes from it, as a requeue would, without leaving the job.
+            self.generation.store.forget_recorded_state()
+            raise StartOver(
+                f"tier 4: {plan.reason}, and there is no disk checkpoint in {self.checkpoint_dir}: "
+                "every rank starts over from the job's start (set checkpoint.every_n_steps to lose less)"
+            )
         if dist.get_rank() == 0:
             print(f"tier 4: {plan.reason}; loading {disk}", file=sys.stderr)
-        if disk is None:
-            # Every rank computed the same plan: the state is gone for good, and rejoining would
-            # only find it gone again. Stop the job (the agents exit 75: a requeue starts over).
-            reason = (
-                f"tier 4 cannot recover: {plan.reason}, and there is no disk checkpoint in "
-                f"{self.checkpoint_dir} to fall back to; set checkpoint.every_n_steps"
-            )
-            self.generation.store.give_up(reason)
-            raise JobGaveUp(reason)
         return disk
 
     def _emit(self, kind: str, **fields: Any) -> None:
