@@ -167,8 +167,9 @@ def main() -> None:
     )
     recovered = sum(1 for f in summary.faults if f.outcome == "recovered")
     print(
-        f"  recovered {recovered} of {len(summary.faults)} faults in the summary; steps redone "
-        f"{sum(redone)} in all (max {max(redone, default=0)} per fault)"
+        f"  recovered {recovered} of {len(summary.faults)} faults in the summary (the others superseded by "
+        f"or handled in a later recovery); steps redone {summary.steps_lost} in all "
+        f"(max {max(redone, default=0)} in a fault's row)"
     )
     if summary.goodput is not None:
         print(

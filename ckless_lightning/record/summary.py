@@ -85,6 +85,7 @@ class JobSummary:
     step_time_s: float | None = None
     startup_s: float | None = None
     goodput: float | None = None  # productive step time / wall time: steps done x median step / wall
+    steps_lost: int = 0  # steps computed again in all (see ``summarize``)
     ml_goodput: float | None = None  # steps kept / steps computed (steps done + steps lost)
     generations: int = 0
     exit_code: int | None = None
@@ -154,9 +155,13 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
     if None not in (summary.steps_done, summary.step_time_s) and summary.wall_s:
         # Start-up and recoveries are not productive time (the usual definition of goodput).
         summary.goodput = summary.steps_done * summary.step_time_s / summary.wall_s  # type: ignore[operator]
+    # Steps computed again: the rows' count, or the loss log's steps logged more than once where
+    # that is more (faults in quick succession leave rows without a recovery of their own). A step
+    # whose loss was never logged (a peer lost before the step's loss all-reduce) shows in the rows.
+    logged_again = len(losses or []) - len({int(r["step"]) for r in losses or []})
+    summary.steps_lost = max(logged_again, sum(f.steps_lost or 0 for f in summary.faults))
     if summary.steps_done:
-        lost = sum(f.steps_lost or 0 for f in summary.faults)
-        summary.ml_goodput = summary.steps_done / (summary.steps_done + lost)
+        summary.ml_goodput = summary.steps_done / (summary.steps_done + summary.steps_lost)
     return summary
 
 
@@ -381,7 +386,6 @@ def _percent(value: float | None) -> str:
 def _footer(s: JobSummary) -> list[str]:
     steps = _opt(s.steps_done)
     recovering = [f.total_s for f in s.faults if f.total_s is not None]
-    lost = sum(f.steps_lost or 0 for f in s.faults)
     if s.exit_code is None:
         status = "unknown (no job_end event)"
     else:
@@ -395,7 +399,7 @@ def _footer(s: JobSummary) -> list[str]:
         f"startup          {_secs(s.startup_s)} s (job start -> first step of generation 0)",
         f"recoveries       {len(recovering)}, {_secs(sum(recovering))} s (fault -> first step after it)",
         f"goodput          {_percent(s.goodput)} = steps done x median step / wall time",
-        f"ML goodput       {_percent(s.ml_goodput)} = steps kept / steps computed ({lost} lost)",
+        f"ML goodput       {_percent(s.ml_goodput)} = steps kept / steps computed ({s.steps_lost} lost)",
         f"generations      {s.generations}",
         f"exit status      {status}",
     ]
