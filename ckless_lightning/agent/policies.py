@@ -167,12 +167,19 @@ class Policy(ABC):
         a stopped process (state T) first, stale or not; else a stale rank that
         says it is running its own code before one that waits for the batch
         cache, before one that waits on its peers (tiers 3-4 report it:
-        ``recovery/where.py``); else the one that beat least recently.
+        ``recovery/where.py``); else the one that beat least recently. When every stale rank
+        says it waits on its peers, the one they wait for may not be stale yet (it beat a few
+        milliseconds after them): every live local rank is a candidate then, so a rank running
+        its own code is blamed, never a waiting one.
         """
         ranks, cfg, node = self.agent.ranks, self.agent.cfg, self.agent.node
         stopped = [r for r, p in ranks.items() if p.poll() is None and is_stopped(p.pid)]
         candidates = sorted(set(stale) | set(stopped))
         where = self.store.rank_where(candidates)
+        if not stopped and all(where.get(r) == "peers" for r in stale):
+            live = [r for r, p in ranks.items() if p.poll() is None and r not in self.agent.finished]
+            candidates = sorted(set(candidates) | set(live))
+            where = self.store.rank_where(candidates)
         order = {"running": 0, "data": 1, "peers": 2}
         rank = min(
             candidates, key=lambda r: (r not in stopped, order.get(where.get(r, ""), 0), beats[r].time, r)
