@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import Logger
 
 from ckless_lightning.comm import Generation, JobStore
 from ckless_lightning.record.events import EventLog
@@ -35,7 +37,9 @@ from ckless_lightning.training.callbacks import (
     FaultInjectionCallback,
     HeartbeatCallback,
     LossHistoryCallback,
+    RecoveryMetricsCallback,
     SampleLogCallback,
+    StepProgressBar,
     StepStatsCallback,
     TimelineCallback,
 )
@@ -44,20 +48,18 @@ from ckless_lightning.training.module import CausalLMModule
 from ckless_lightning.training.quiet import quiet_known_noise
 from ckless_lightning.training.strategy import CheckpointlessStrategy
 
-__all__ = ["build_datamodule", "build_module", "build_trainer", "train_rank"]
+__all__ = ["build_datamodule", "build_logger", "build_module", "build_trainer", "train_rank"]
 
 
-def _loggers(run_dir: Path) -> list[Logger]:
-    # One version folder per start of the ranks (a resumed run gets the next one);
-    # losses.jsonl holds the whole curve across restarts.
-    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="logs")]
-    try:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers.append(TensorBoardLogger(save_dir=run_dir, name="tensorboard"))
-    except ModuleNotFoundError:  # tensorboard not installed: the CSV log is enough
-        pass
-    return loggers
+def build_logger(job: JobConfig) -> Logger:
+    """The job's experiment logger (``logger``: ``conf/logger/``, CSV by default), built with
+    ``hydra.utils.instantiate``. Each Trainer gets a new one: CSV and TensorBoard start a new version
+    folder (``losses.jsonl`` holds the whole loss curve across restarts)."""
+    assert job.logger is not None  # JobConfig.__post_init__ resolves the default
+    logger = instantiate(job.logger.to_mapping(), _convert_="all")
+    if not isinstance(logger, Logger):
+        raise TypeError(f"logger._target_={job.logger.target} built a {type(logger).__name__}, not a Logger")
+    return logger
 
 
 def build_trainer(
@@ -65,8 +67,16 @@ def build_trainer(
     *,
     callbacks: list[pl.Callback] | None = None,
     strategy: CheckpointlessStrategy | None = None,
+    rank: int = 0,
+    generation: int = 0,
 ) -> pl.Trainer:
-    """A Trainer for ``job`` on this rank: our strategy, CSV (+ TensorBoard) logs, DCP checkpoints."""
+    """A Trainer for ``job`` on this rank: our strategy, the job's logger, DCP checkpoints.
+
+    ``rank``: this process's global rank. Only rank 0 gets the logger (Lightning's loggers write on
+    rank 0 only; building them there alone keeps the other ranks off the tracking store, which
+    MLflow's client opens in its constructor). ``generation``: the job generation this Trainer
+    trains in; after a recovery (``> 0``) rank 0 logs what it cost (``RecoveryMetricsCallback``).
+    """
     run_dir = Path(job.run_dir)
     # ``callbacks`` right after the data position: tier 4's snapshot must see the committed loader
     # position and run before LossHistoryCallback's all-reduce (see SnapshotCallback).
@@ -92,7 +102,13 @@ def build_trainer(
         )
     if job.data.record_samples:
         all_callbacks.append(SampleLogCallback(run_dir / "samples"))
+    if rank == 0 and generation > 0:  # after LossHistoryCallback: losses.jsonl has the step
+        all_callbacks.append(
+            RecoveryMetricsCallback(run_dir, generation=generation, world_size=job.cluster.world_size)
+        )
     trainer_cfg = job.trainer
+    if trainer_cfg.enable_progress_bar:
+        all_callbacks.append(StepProgressBar())
     return pl.Trainer(
         accelerator=resolve_accelerator(job.cluster.accelerator),
         devices=job.cluster.nproc_per_node,
@@ -114,7 +130,7 @@ def build_trainer(
         # Lightning's default ModelCheckpoint, a full checkpoint at the end of each epoch (1.3 GB at 100M).
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
         default_root_dir=run_dir,
-        logger=_loggers(run_dir),
+        logger=build_logger(job) if rank == 0 else False,
         callbacks=all_callbacks,
     )
 
@@ -199,10 +215,24 @@ def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer:
         job.fault_specs(),
     )
     if job.tier >= 3:  # the final save runs inside the recovery: a fault during it is recovered
-        return _train_in_process(run, after_fit=lambda trainer: _save_final(job, trainer))
-    trainer = _train_once(run)
-    _save_final(job, trainer)
+        trainer = _train_in_process(run, after_fit=lambda trainer: _save_final(job, trainer))
+    else:
+        trainer = _train_once(run)
+        _save_final(job, trainer)
+    _finish_wandb_run()
     return trainer
+
+
+def _finish_wandb_run() -> None:
+    """Write out the W&B run of ``logger=wandb`` (rank 0). W&B does it at interpreter exit, which
+    tiers 3-4's ranks skip (``os._exit`` after the final checkpoint); Lightning's ``finalize`` does not
+    (the run outlives a Trainer: tiers 3-4's recoveries continue it). ``teardown`` waits until W&B's
+    service process has written the run (after ``finish`` alone, 1 in 15 offline runs still lacked
+    the last records in a test on the 2-core machine)."""
+    wandb = sys.modules.get("wandb")  # imported by WandbLogger only
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+        wandb.teardown()
 
 
 def _save_final(job: JobConfig, trainer: pl.Trainer) -> None:
@@ -246,7 +276,9 @@ def _train_once(run: _RankRun) -> pl.Trainer:
         on_phase=lambda name, **fields: run.phase(name, step=None, **fields),
         weights_from_checkpoint=run.ckpt_path is not None,
     )
-    trainer = build_trainer(job, callbacks=callbacks, strategy=strategy)
+    trainer = build_trainer(
+        job, callbacks=callbacks, strategy=strategy, rank=context.rank, generation=context.generation
+    )
     trainer.fit(build_module(job), datamodule=run.datamodule, ckpt_path=run.ckpt_path)
     return trainer
 
@@ -282,7 +314,11 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(
-            job, callbacks=[*callbacks, run.fault_callback()], strategy=strategy
+            job,
+            callbacks=[*callbacks, run.fault_callback()],
+            strategy=strategy,
+            rank=context.rank,
+            generation=recovery.session.generation,  # the generation just joined
         ),
         lambda: build_module(job),
         datamodule=run.datamodule,

@@ -4,6 +4,8 @@ from ckless_lightning.training.callbacks.data_position import DataPositionCallba
 from ckless_lightning.training.callbacks.fault_injection import FaultInjectionCallback, InjectedFault
 from ckless_lightning.training.callbacks.heartbeat import HeartbeatCallback
 from ckless_lightning.training.callbacks.loss_history import LossHistoryCallback
+from ckless_lightning.training.callbacks.progress import StepProgressBar
+from ckless_lightning.training.callbacks.recovery_metrics import RecoveryMetricsCallback
 from ckless_lightning.training.callbacks.sample_log import SampleLogCallback
 from ckless_lightning.training.callbacks.snapshot import SnapshotCallback
 from ckless_lightning.training.callbacks.step_stats import StepStatsCallback
@@ -15,8 +17,10 @@ __all__ = [
     "HeartbeatCallback",
     "InjectedFault",
     "LossHistoryCallback",
+    "RecoveryMetricsCallback",
     "SampleLogCallback",
     "SnapshotCallback",
+    "StepProgressBar",
     "StepStatsCallback",
     "TimelineCallback",
 ]

@@ -1,0 +1,91 @@
+"""The training progress bar keeps its total when a Trainer resumes mid-run (a restart, or tiers 3-4's
+new Trainer after a recovery) and counts micro-batches under gradient accumulation.
+
+Lightning sets the bar's total in ``on_train_epoch_start``, which it skips when it resumes in the
+middle of an epoch: its own bar then reads ``N/?``. A single-process Trainer over a step-addressed
+loader (one epoch of ``max_steps x accumulate`` micro-batches, as ``StepBatchLoader``) runs 8 steps
+with a checkpoint at step 4; a second Trainer resumes from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ckless_lightning.training.callbacks import StepProgressBar
+
+MAX_STEPS = 8
+
+
+class _Steps:
+    """``n`` micro-batches, resumable (the position comes from Lightning's restored loop)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return (torch.full((2, 4), float(i)) for i in range(self.n))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class _Module(pl.LightningModule):
+    def __init__(self, batches: int) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.batches = batches
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> _Steps:
+        return _Steps(self.batches)
+
+
+def _fit(
+    root: Path, accumulate: int, save: ModelCheckpoint, ckpt_path: Path | None = None
+) -> StepProgressBar:
+    bar = StepProgressBar()
+    trainer = pl.Trainer(
+        default_root_dir=root,
+        accelerator="cpu",
+        devices=1,
+        max_steps=MAX_STEPS,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_model_summary=False,
+        callbacks=[bar, save],
+    )
+    assert trainer.progress_bar_callback is bar
+    trainer.fit(_Module(MAX_STEPS * accumulate), ckpt_path=ckpt_path)
+    assert trainer.global_step == MAX_STEPS
+    return bar
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_bar_total_holds_after_a_resume_from_a_mid_run_step(tmp_path: Path, accumulate: int) -> None:
+    total = MAX_STEPS * accumulate  # micro-batches: the bar counts batch_idx + 1
+
+    def save() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+
+    fresh = _fit(tmp_path, accumulate, save())
+    assert (fresh.train_progress_bar.total, fresh.train_progress_bar.n) == (total, total)
+
+    resumed = _fit(tmp_path, accumulate, save(), ckpt_path=tmp_path / "step=4.ckpt")
+    assert (resumed.train_progress_bar.total, resumed.train_progress_bar.n) == (total, total)
