@@ -70,9 +70,11 @@ def leftovers(run_dir: Path) -> list[str]:
 
 
 def started_alive(events: list[dict]) -> list[str]:
-    """Processes the job's agents started (ranks, spares, readers) that are still alive."""
+    """Processes the job's agents started (ranks, spares, readers, fork servers) that are still alive."""
     pids = {pid for e in events if e["kind"] == "ranks_started" for pid in e["pids"]}
-    pids |= {e["pid"] for e in events if e["kind"] in ("spare_started", "reader_started")}
+    pids |= {
+        e["pid"] for e in events if e["kind"] in ("spare_started", "reader_started", "forkserver_started")
+    }
     return [
         f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}" for pid in pids if psutil.pid_exists(pid)
     ]

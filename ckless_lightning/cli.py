@@ -12,11 +12,14 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from ckless_lightning.runtime.contract import ExitCode
+
+if TYPE_CHECKING:
+    from ckless_lightning.agent.fork_server import ForkServer
 
 __all__ = ["run_job"]
 
@@ -26,6 +29,36 @@ def _error(kind: str, err: BaseException) -> None:
 
 
 def run_job(cfg: DictConfig) -> int:
+    fork_server = _start_fork_server(cfg)
+    try:
+        return _run_job(cfg, fork_server)
+    finally:
+        if fork_server is not None:
+            fork_server.close()
+
+
+def _start_fork_server(cfg: DictConfig) -> ForkServer | None:
+    """With ``agent.fork_server`` (and not a dry run), start it now, from the composed config: its
+    imports of torch and Lightning run while this process validates, plans and prepares the data.
+    None when it is off, or when ``run_dir`` cannot be created (validation reports that)."""
+    if not OmegaConf.select(cfg, "agent.fork_server", default=True) or OmegaConf.select(
+        cfg, "dry_run", default=False
+    ):
+        return None
+    from ckless_lightning.agent.fork_server import ForkServer
+
+    node = OmegaConf.select(cfg, "cluster.node_rank", default=0)
+    try:
+        log_dir = Path(str(cfg.run_dir)) / "rank_logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError):
+        return None
+    server = ForkServer(log_dir / f"forkserver{node}.log")
+    server.start()
+    return server
+
+
+def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
     from ckless_lightning.runtime.config import job_config_from_dict
 
     try:
@@ -92,12 +125,14 @@ def run_job(cfg: DictConfig) -> int:
     print(plan.format())
     print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
     print(f"resuming from {resume}" if resume else "starting from step 0")
-    code = _run_agent(job, config_path, prepared.path, checkpoint_step(resume) if resume else 0)
+    code = _run_agent(job, config_path, prepared.path, checkpoint_step(resume) if resume else 0, fork_server)
     _report(job, run_dir, code)
     return code
 
 
-def _run_agent(job: Any, config_path: Path, prepared_path: Path, start_step: int) -> int:
+def _run_agent(
+    job: Any, config_path: Path, prepared_path: Path, start_step: int, fork_server: ForkServer | None
+) -> int:
     from ckless_lightning.agent.node_agent import NodeAgent
 
     def _terminate(signum: int, frame: Any) -> None:
@@ -105,7 +140,9 @@ def _run_agent(job: Any, config_path: Path, prepared_path: Path, start_step: int
 
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return NodeAgent(job, config_path, prepared_path=prepared_path, start_step=start_step or 0).run()
+        return NodeAgent(
+            job, config_path, prepared_path=prepared_path, start_step=start_step or 0, fork_server=fork_server
+        ).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -117,10 +154,12 @@ def _report(job: Any, run_dir: Path, code: int) -> None:
 
     losses = read_losses(run_dir / "losses.jsonl")
     events_path = run_dir / "events.jsonl"
+    timeline: Path | None = None
     print()
     if job.cluster.node_rank == 0 and events_path.exists():
         print(summarize(read_events(events_path), read_loss_records(run_dir / "losses.jsonl")).format())
         print()
+        timeline = _draw_timeline(run_dir)
     print("done" if code == 0 else f"failed (exit code {code})")
     if losses:
         first, last = min(losses), max(losses)
@@ -129,6 +168,35 @@ def _report(job: Any, run_dir: Path, code: int) -> None:
     print(f"config:       {run_dir / 'config.yaml'}")
     print(f"losses:       {run_dir / 'losses.jsonl'}")
     print(f"events:       {events_path}")
-    print(f"metrics:      {run_dir / 'logs'}/version_<N>/metrics.csv")
+    if timeline is not None:
+        print(f"timeline:     {timeline}")
+    print(f"metrics:      {_metrics_location(job)}")
     print(f"rank logs:    {run_dir / 'rank_logs'}/rank<N>.log")
     print(f"checkpoints:  {job.checkpoint.dir}")
+
+
+def _metrics_location(job: Any) -> str:
+    """Where the chosen logger (the ``logger`` group) writes the metrics."""
+    logger = job.logger
+    kwargs = logger.kwargs
+    save_dir = kwargs.get("save_dir", job.run_dir)
+    if logger.target.endswith("CSVLogger"):
+        return f"{Path(save_dir) / kwargs.get('name', 'lightning_logs')}/version_<N>/metrics.csv"
+    if logger.target.endswith("TensorBoardLogger"):
+        return f"{Path(save_dir) / kwargs.get('name', 'lightning_logs')}/version_<N>/ (TensorBoard events)"
+    if logger.target.endswith("MLFlowLogger"):
+        return f"{kwargs.get('tracking_uri', 'mlruns')} (MLflow)"
+    if logger.target.endswith("WandbLogger"):
+        return f"{Path(save_dir) / 'wandb'} (W&B)"
+    return f"{logger.target} (see its documentation)"
+
+
+def _draw_timeline(run_dir: Path) -> Path | None:
+    """``<run_dir>/timeline.png``, or ``None`` after a one-line warning: the picture never fails the job."""
+    from ckless_lightning.record.timeline_plot import render_timeline
+
+    try:
+        return render_timeline(run_dir)
+    except (ImportError, ValueError, OSError) as err:
+        print(f"warning: no timeline picture ({type(err).__name__}: {err})", file=sys.stderr)
+        return None

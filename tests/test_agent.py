@@ -19,6 +19,7 @@ import pytest
 from checkpoint_utils import assert_same_run
 from conftest import launch_command, launch_job
 
+from ckless_lightning.agent.processes import failure_report
 from ckless_lightning.record.events import read_events
 
 STEPS = 12
@@ -217,3 +218,35 @@ def test_two_nodes_node1_lost_and_replaced(tmp_path, data_cache, reference):
     assert_same_training(run, reference, tmp_path)
     assert events_of(run, "fault_injected")[0]["fault_type"] == "node_loss"
     assert not job_processes(run)
+
+
+def test_failure_report_shows_the_last_traceback_not_warnings():
+    """The agent's report of a dead rank: its last traceback when it has one; otherwise its last
+    lines without warning noise or progress-bar redraws; never the deprecation warning alone."""
+    warning = (
+        "/venv/lib/python3.11/site-packages/lightning/fabric/utilities/_pytree.py:12: "
+        "FutureWarning: LeafSpec is deprecated\n  return LeafSpec()\n"
+    )
+    crashed = (
+        "rank 1: started\n" + warning + 'Traceback (most recent call last):\n  File "x.py", line 3\n'
+        'ValueError: first\nretrying\nTraceback (most recent call last):\n  File "y.py", line 9, in f\n'
+        "    boom()\nRuntimeError: second\n" + warning
+    )
+    report = failure_report(crashed)
+    assert report.startswith("Its last traceback:")
+    assert "RuntimeError: second" in report and "ValueError: first" not in report
+
+    killed = "rank 1: joined generation 0\n" + warning + "Epoch 0:  10%|#  | 4/40\rEpoch 0:  12%|#  | 5/40\n"
+    report = failure_report(killed)
+    assert report.startswith("Last lines of its log (no traceback):")
+    assert "joined generation 0" in report and "Epoch 0:  12%" in report
+    assert "Warning" not in report and "LeafSpec" not in report and "4/40" not in report
+
+    assert "no output" in failure_report(warning)
+    long_tb = (
+        "Traceback (most recent call last):\n"
+        + "".join(f"  frame {i}\n" for i in range(40))
+        + "KeyError: 'x'\n"
+    )
+    report = failure_report(long_tb, lines=5)
+    assert report.splitlines()[1] == "  ..." and report.splitlines()[-1] == "KeyError: 'x'"

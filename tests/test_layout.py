@@ -15,13 +15,22 @@ import pytest
 PACKAGE = "ckless_lightning"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
-ENTRY_POINTS = {f"{PACKAGE}.rank", f"{PACKAGE}.spare", f"{PACKAGE}.cli", f"{PACKAGE}.data.cache_reader"}
+ENTRY_POINTS = {
+    f"{PACKAGE}.rank",
+    f"{PACKAGE}.spare",
+    f"{PACKAGE}.forkserver",
+    f"{PACKAGE}.cli",
+    f"{PACKAGE}.report",
+    f"{PACKAGE}.data.cache_reader",
+}
 # Floors, top down: entry points (4) use the job runners (3: the rank's job, the in-process loop, the
 # agent), which use the Lightning and recovery pieces (2), which use the leaves (1). Longest prefix wins.
 FLOORS = {
     f"{PACKAGE}.rank": 4,
     f"{PACKAGE}.spare": 4,
+    f"{PACKAGE}.forkserver": 4,
     f"{PACKAGE}.cli": 4,
+    f"{PACKAGE}.report": 4,
     f"{PACKAGE}.data.cache_reader": 4,
     f"{PACKAGE}.training.job": 3,
     f"{PACKAGE}.training.rank_process": 3,
@@ -153,4 +162,4 @@ def test_agent_and_runtime_do_not_import_lightning() -> None:
 
 def test_the_root_holds_only_entry_points() -> None:
     loose = sorted(p.name for p in ROOT.glob("*.py"))
-    assert loose == ["__init__.py", "cli.py", "rank.py", "spare.py"], loose
+    assert loose == ["__init__.py", "cli.py", "forkserver.py", "rank.py", "report.py", "spare.py"], loose

@@ -16,6 +16,7 @@ import pytest
 from checkpoint_utils import assert_same_run
 from conftest import launch_job
 from test_agent import events_of, job_processes
+from test_recovery_metrics import logged_recoveries
 from test_tier3 import pids_by_rank, plan_override
 
 from ckless_lightning.record.summary import summarize_run
@@ -243,6 +244,9 @@ def test_recovery_keeps_one_copy_of_the_state(tmp_path, data_cache):
     grown_mb = (restored["peak_rss"] - steady["rss"]) / 2**20
     print(f"survivor: {steady['rss'] / 2**20:.0f} MiB after leaving, peak +{grown_mb:.1f} MiB in recovery")
     assert grown_mb < 16 + 48, grown_mb
+    # Rank 0 logged what the recovery cost at its first step (4: restored at step 3), as the summary.
+    [fault] = summarize_run(run).faults
+    assert logged_recoveries(run) == {4: pytest.approx(fault.total_s)}, summarize_run(run).format()
 
 
 @pytest.mark.timeout(600)
@@ -263,9 +267,10 @@ def test_a_rank_stalled_in_its_own_code_is_the_one_replaced(tmp_path, data_cache
 
 
 def pids_started(run: Path) -> set[int]:
-    """Every process the job's agents started: ranks, warm spares, batch-cache readers."""
+    """Every process the job's agents started: ranks, warm spares, batch-cache readers, fork servers."""
     pids = {pid for e in events_of(run, "ranks_started") for pid in e["pids"]}
     pids |= {e["pid"] for e in events_of(run, "spare_started")}
+    pids |= {e["pid"] for e in events_of(run, "forkserver_started")}
     return pids | {e["pid"] for e in events_of(run, "reader_started")}
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 from ckless_lightning.agent.batch_cache_service import BatchCacheService
 from ckless_lightning.agent.budget import RestartBudget
+from ckless_lightning.agent.fork_server import ForkServer
 from ckless_lightning.agent.policies import (
     Action,
     Decision,
@@ -86,10 +87,17 @@ class NodeAgent:
     """
 
     def __init__(
-        self, job: JobConfig, config_path: Path, *, prepared_path: Path, start_step: int = 0
+        self,
+        job: JobConfig,
+        config_path: Path,
+        *,
+        prepared_path: Path,
+        start_step: int = 0,
+        fork_server: ForkServer | None = None,
     ) -> None:
         """``prepared_path``: the packed dataset (tier 2's reader reads it); ``start_step``: the
-        optimizer step the job resumes from."""
+        optimizer step the job resumes from; ``fork_server``: one ``launch.py`` started early
+        (with ``agent.fork_server`` and none given, the agent starts its own)."""
         self.job = job
         self.cluster = job.cluster
         self.cfg = job.agent
@@ -98,6 +106,11 @@ class NodeAgent:
         self.run_dir = Path(job.run_dir)
         self.events = EventLog(self.run_dir / "events.jsonl", source=f"agent{self.node}")
         self.spares = SparePool(self.cfg.spares, config_path=config_path, events=self.events)
+        if fork_server is None and self.cfg.fork_server:
+            fork_server = ForkServer(self.run_dir / "rank_logs" / f"forkserver{self.node}.log")
+        self.fork_server = fork_server
+        if self.fork_server is not None:
+            self.fork_server.prepare(config_path, self.events)
         self.ranks: dict[int, RankProcess] = {}
         first = self.node * self.cluster.nproc_per_node
         self.local_ranks = list(range(first, first + self.cluster.nproc_per_node))
@@ -123,6 +136,8 @@ class NodeAgent:
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
         is_host = self.node == 0
+        if self.fork_server is not None:
+            self.fork_server.start()  # if launch.py did not: imports while the store and the cache start
         port = self.cluster.master_port
         if is_host and port == 0:
             port = _free_port()
@@ -151,6 +166,8 @@ class NodeAgent:
                 self.events.emit("job_end", exit_code=code)
             self.stop_ranks(graceful=False)
             self.spares.close()
+            if self.fork_server is not None:
+                self.fork_server.close()
             self.batch_cache.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
@@ -234,6 +251,8 @@ class NodeAgent:
             self.spares.fill()
             self._spares_due = False
         self.spares.tend(start=training)  # replaces a spare taken, dead or stopped (once filled)
+        if self.fork_server is not None:
+            self.fork_server.tend()  # replaces a fork server that died or was stopped
         self.outside_faults.inject_due(
             gen, beats, pid_of=lambda rank: self.ranks[rank].pid, kill_ranks=self._kill_ranks
         )
@@ -247,6 +266,9 @@ class NodeAgent:
             "rank": {rank: proc.pid for rank, proc in self.ranks.items() if proc.poll() is None},
             "spare": {pid: pid for pid in self.spares.pids},
             "reader": {reader.pid: reader.pid} if reader is not None and reader.poll() is None else {},
+            "forkserver": {pid: pid for pid in [self.fork_server.pid] if pid is not None}
+            if self.fork_server is not None
+            else {},
         }
 
     def _join_generation(self, budget: RestartBudget) -> int | None:
@@ -299,10 +321,12 @@ class NodeAgent:
             ranks=self.local_ranks,
             pids=[self.ranks[r].pid for r in self.local_ranks],
             warm=[self.ranks[r].warm for r in self.local_ranks],
+            forked=[self.ranks[r].forked for r in self.local_ranks],
         )
 
     def start_rank(self, rank: int, gen: int) -> RankProcess:
-        """Start ``rank``'s process in generation ``gen``: a warm spare if one is ready, else a cold one.
+        """Start ``rank``'s process in generation ``gen``: a warm spare if one is ready, else one forked
+        by the fork server (``agent.fork_server``), else a cold one.
 
         Writes the rank's first heartbeat (step -1, now) and its membership; emits nothing.
         """
@@ -332,8 +356,13 @@ class NodeAgent:
         self.store.set_member(rank, gen)
         spare = self.spares.take()
         log_dir = self.run_dir / "rank_logs"
+        forked = None
+        if spare is None and self.fork_server is not None:
+            forked = RankProcess.fork(spec, self.fork_server, argv, log_dir)
         if spare is not None:
             self.ranks[rank] = RankProcess.adopt(spec, spare, argv, log_dir)
+        elif forked is not None:
+            self.ranks[rank] = forked
         else:
             command = [sys.executable, "-m", "ckless_lightning.rank", *argv]
             self.ranks[rank] = RankProcess.spawn(spec, command, log_dir)

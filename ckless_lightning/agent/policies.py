@@ -292,9 +292,10 @@ class RestartAll(Policy):
             completed_step=completed,
             gen=gen,
         )
-        tail = ranks[rank].log_tail(15)
-        print(f"[agent{node}] rank {rank} {_how(code)}; restarting. Last lines of its log:", file=sys.stderr)
-        print(tail, file=sys.stderr)
+        print(
+            f"[agent{node}] rank {rank} {_how(code)}; restarting. {ranks[rank].failure_report()}",
+            file=sys.stderr,
+        )
         return Decision(Action.NEXT_GENERATION, gen)
 
 
@@ -408,13 +409,19 @@ class ReplaceFailed(Policy):
             )
             print(
                 f"[agent{agent.node}] rank {rank} {_how(code)}; replacing it in generation {current}. "
-                f"Last lines of its log:\n{agent.ranks[rank].log_tail(15)}",
+                f"{agent.ranks[rank].failure_report()}",
                 file=sys.stderr,
             )
             agent.ranks[rank].stop(0)
             proc = agent.start_rank(rank, current)
             agent.events.emit(
-                "ranks_started", gen=current, node=agent.node, ranks=[rank], pids=[proc.pid], warm=[proc.warm]
+                "ranks_started",
+                gen=current,
+                node=agent.node,
+                ranks=[rank],
+                pids=[proc.pid],
+                warm=[proc.warm],
+                forked=[proc.forked],
             )
         return current
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -17,42 +18,35 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
+from ckless_lightning.agent.process_state import is_stopped, signal_session
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.contract import RankSpec, launcher_env
 
-__all__ = ["RankProcess", "SparePool", "is_stopped", "signal_session"]
+if TYPE_CHECKING:
+    from ckless_lightning.agent.fork_server import ForkedProcess, ForkServer
 
-
-def signal_session(pid: int, sig: signal.Signals) -> None:
-    """Signal the session (process group) that ``pid`` leads; gone already is fine."""
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        return
-
-
-def is_stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped by a signal (SIGSTOP/SIGTSTP: state ``T`` in ``/proc/<pid>/stat``).
-
-    Nothing in a job stops its own processes, so a stopped one is a fault: the agent kills it at
-    once instead of waiting for its heartbeat to go stale (ptrace stops, state ``t``, do not count).
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
+__all__ = ["RankProcess", "SparePool", "failure_report", "is_stopped", "signal_session"]
 
 
 class RankProcess:
-    """One rank's process: ``spawn`` a cold one, or ``adopt`` a warm spare and assign it the rank."""
+    """One rank's process: ``spawn`` a cold one, ``fork`` one from the fork server, or ``adopt`` a
+    warm spare and assign it the rank."""
 
-    def __init__(self, spec: RankSpec, proc: subprocess.Popen[bytes], log_dir: Path, *, warm: bool) -> None:
+    def __init__(
+        self,
+        spec: RankSpec,
+        proc: subprocess.Popen[bytes] | ForkedProcess,
+        log_dir: Path,
+        *,
+        warm: bool,
+        forked: bool = False,
+    ) -> None:
         self.spec = spec
         self.proc = proc
         self.warm = warm
+        self.forked = forked
         self.started_at = time.time()
         self.log_path = Path(log_dir) / f"rank{spec.global_rank}.log"
         self._pump = threading.Thread(target=self._copy_output, daemon=True)
@@ -69,6 +63,14 @@ class RankProcess:
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         return cls(spec, proc, log_dir, warm=False)
+
+    @classmethod
+    def fork(cls, spec: RankSpec, server: ForkServer, argv: list[str], log_dir: Path) -> RankProcess | None:
+        """A rank forked by ``server`` (imports already done), or None: spawn it cold instead."""
+        if not server.ready():  # the wait for its imports is not the rank's: its start is the fork
+            return None
+        proc = server.fork({**launcher_env(), **spec.env(time.time())}, argv)
+        return None if proc is None else cls(spec, proc, log_dir, warm=False, forked=True)
 
     @classmethod
     def adopt(
@@ -101,10 +103,11 @@ class RankProcess:
         signal_session(self.pid, signal.SIGKILL)
         self._pump.join(timeout=5)
 
-    def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+    def failure_report(self, lines: int = 15) -> str:
+        """What the agent prints of a dead rank's log: its last traceback, else its last lines that
+        are not warnings or progress bars, headed by which of the two it is."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return failure_report(text, lines)
 
     def _copy_output(self) -> None:
         assert self.proc.stdout is not None
@@ -121,6 +124,41 @@ def _copy(stream: IO[bytes], log: IO[bytes], echo: bool) -> None:
         if echo:
             sys.stdout.buffer.write(chunk)
             sys.stdout.buffer.flush()
+
+
+_WARNING_LINE = re.compile(r"^\S.*:\d+: \w*Warning: ")
+
+
+def failure_report(log: str, lines: int = 15) -> str:
+    """The part of a rank's log that says why it died (see :meth:`RankProcess.failure_report`).
+
+    The last ``Traceback (most recent call last):`` to the end of the log (its last ``lines``
+    lines); with none (a SIGKILL leaves none), the last ``lines`` lines once Python warnings (the
+    ``file:line: XWarning:`` line and its indented source line) and progress-bar redraws (all but
+    the text after a line's last carriage return) are dropped.
+    """
+    # split, not splitlines: splitlines also splits at the carriage returns of progress bars
+    text = [line.rsplit("\r", 1)[-1] for line in log.split("\n")]
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        shown = text[starts[-1] :]
+        cut = len(shown) > lines
+        body = ["  ..."] * cut + shown[-lines:]
+        return "Its last traceback:\n" + "\n".join(body)
+    kept: list[str] = []
+    skip_source = False
+    for line in text:
+        if _WARNING_LINE.match(line):
+            skip_source = True
+            continue
+        if skip_source and line.startswith((" ", "\t")):
+            continue
+        skip_source = False
+        if line.strip():
+            kept.append(line)
+    if not kept:
+        return "Its log has no output (no traceback: a process killed by a signal leaves none)."
+    return "Last lines of its log (no traceback):\n" + "\n".join(kept[-lines:])
 
 
 class SparePool:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ckless_lightning.data.config import DataConfig
 from ckless_lightning.runtime.faults import FaultConfig, FaultSpec, plan_faults
+from ckless_lightning.runtime.logger_config import LoggerConfig
 
 __all__ = [
     "AgentConfig",
@@ -25,6 +26,7 @@ __all__ = [
     "ClusterConfig",
     "CommConfig",
     "JobConfig",
+    "LoggerConfig",
     "OptimConfig",
     "ReplicationConfig",
     "TrainerConfig",
@@ -177,7 +179,11 @@ class CheckpointConfig:
 
 @dataclass
 class AgentConfig:
-    """The per-node agent: warm spares, failure detection and the restart budget.
+    """The per-node agent: warm spares, the fork server, failure detection and the restart budget.
+
+    With ``fork_server`` the agent starts one process that imports torch, Lightning and the
+    project once and forks each rank from it (:mod:`ckless_lightning.forkserver`); a rank it
+    cannot fork in time starts cold.
 
     A rank is declared hung when it sends no heartbeat for ``hang_timeout``
     seconds once it has completed a step, for ``startup_timeout`` seconds
@@ -192,6 +198,7 @@ class AgentConfig:
     """
 
     spares: int = 0
+    fork_server: bool = True
     hang_timeout: float = 60.0
     startup_timeout: float = 600.0
     recovery_timeout: float = 300.0
@@ -314,8 +321,12 @@ class JobConfig:
     tier: int = 0
     seed: int = 1234
     dry_run: bool = False
+    # The experiment logger (the ``logger`` group); None: the default, CSV under run_dir.
+    logger: LoggerConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.logger is None:
+            self.logger = LoggerConfig.csv(self.run_dir)
         if self.tier not in range(5):
             raise ValueError(f"tier must be 0..4, got {self.tier}")
         if self.tier not in AVAILABLE_TIERS:
@@ -480,6 +491,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "agent",
         "comm",
         "replication",
+        "logger",
     }
     unknown = sorted(set(cfg) - known_top)
     if unknown:
@@ -505,4 +517,5 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         tier=int(cfg.get("tier", 0)),
         seed=int(cfg.get("seed", 1234)),
         dry_run=bool(cfg.get("dry_run", False)),
+        logger=LoggerConfig.from_mapping(cfg["logger"]) if cfg.get("logger") is not None else None,
     )

@@ -61,7 +61,7 @@ FAULT_TYPES = (
     "reader_stall",
 )
 NODE_FAULT_TYPES = ("node_loss", "reader_stall")  # they name a node, not a rank
-CHAOS_TARGETS = ("rank", "spare", "reader")
+CHAOS_TARGETS = ("rank", "spare", "reader", "forkserver")
 CHAOS_SIGNALS = ("kill", "stop")
 # Phases of an optimizer step, in order ("commit": after the step-commit vote, before the update),
 # then "recovery": while the rank recovers in-process from an earlier fault (tiers 3 and 4), between

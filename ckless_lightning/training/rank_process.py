@@ -31,7 +31,7 @@ from ckless_lightning.runtime.config import JobConfig, job_config_from_dict
 from ckless_lightning.runtime.contract import ExitCode, RankContext, is_peer_failure
 from ckless_lightning.training.job import train_rank
 
-__all__ = ["Handover", "PreparedRank", "load_job", "prepare_rank", "run_rank_process"]
+__all__ = ["Handover", "PreparedRank", "import_rank_path", "load_job", "prepare_rank", "run_rank_process"]
 
 # What the rank path imports after ``training.job`` is imported: lazily, on the first Trainer, fit,
 # process group, FSDP2 sharding, checkpoint save or load, memory restore. Found by comparing
@@ -76,19 +76,9 @@ class PreparedRank:
         return Path(config_path).resolve() == self.config_path
 
 
-def prepare_rank(config_path: str | Path) -> PreparedRank:
-    """Everything of the rank path that does not depend on the rank, for a warm spare to do first.
-
-    Parses and validates the job's config (which imports the model family), imports the modules
-    the rank path imports lazily (:data:`RANK_PATH_MODULES`: distributed checkpointing and what it
-    pulls in, DTensor's experimental parts, ...; Lightning's Trainer and loop internals come with
-    ``training.job``), and looks the prepared dataset up, which warms its files and directory
-    entries in the page cache (every rank repeats the look-up in its data module's ``setup``).
-    Nothing here touches the job's store, ports or run directory.
-    """
-    started = time.perf_counter()
-    path = Path(config_path).resolve()
-    job = load_job(path)
+def import_rank_path() -> None:
+    """Import what the rank path imports lazily (:data:`RANK_PATH_MODULES`); needs no config, so the
+    fork server does it before it is told the job's."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation shims of modules the rank never uses directly
         for name in RANK_PATH_MODULES:
@@ -96,7 +86,25 @@ def prepare_rank(config_path: str | Path) -> PreparedRank:
                 importlib.import_module(name)
             except ImportError:
                 continue
-    _warm_data(job)
+
+
+def prepare_rank(config_path: str | Path, *, warm_data: bool = True) -> PreparedRank:
+    """Everything of the rank path that does not depend on the rank, for a warm spare to do first.
+
+    Parses and validates the job's config (which imports the model family), imports the modules
+    the rank path imports lazily (:data:`RANK_PATH_MODULES`: distributed checkpointing and what it
+    pulls in, DTensor's experimental parts, ...; Lightning's Trainer and loop internals come with
+    ``training.job``), and with ``warm_data`` looks the prepared dataset up, which warms its files
+    and directory entries in the page cache (every rank repeats the look-up in its data module's
+    ``setup``; the fork server skips it: it prepares while the launcher still prepares the data).
+    Nothing here touches the job's store, ports or run directory.
+    """
+    started = time.perf_counter()
+    path = Path(config_path).resolve()
+    job = load_job(path)
+    import_rank_path()
+    if warm_data:
+        _warm_data(job)
     return PreparedRank(path, job, time.perf_counter() - started, len(sys.modules))
 
 
