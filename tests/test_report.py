@@ -24,6 +24,7 @@ from ckless_lightning.record.events import EventLog, read_events
 from ckless_lightning.record.loss_compare import compare_losses
 from ckless_lightning.record.timeline_plot import render_timeline
 from ckless_lightning.report import main as report
+from ckless_lightning.runtime.logger_config import CSV_LOGGER
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -131,7 +132,12 @@ def test_report_refuses_a_dir_without_events(tmp_path):
 def test_job_report_survives_a_rendering_failure(tmp_path, capsys, monkeypatch):
     """cli._report draws the picture on node 0, and a failure to draw is a warning, not an error."""
     run = write_run(tmp_path / "run")
-    job = SimpleNamespace(cluster=SimpleNamespace(node_rank=0), checkpoint=SimpleNamespace(dir=run / "ck"))
+    job = SimpleNamespace(
+        cluster=SimpleNamespace(node_rank=0),
+        checkpoint=SimpleNamespace(dir=run / "ck"),
+        run_dir=str(run),
+        logger=SimpleNamespace(target=CSV_LOGGER, kwargs={"save_dir": str(run), "name": "logs"}),
+    )
     cli._report(job, run, 0)
     out = capsys.readouterr().out
     assert f"timeline:     {run / 'timeline.png'}" in out

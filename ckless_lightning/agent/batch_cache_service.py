@@ -6,7 +6,11 @@ agent ends (normal end, fault budget, Ctrl-C, SIGTERM). The reader
 (``python -m ckless_lightning.data.cache_reader``) dies with the agent
 (PR_SET_PDEATHSIG) and is restarted if it dies on its own, is stopped, or makes no
 progress: a step some local rank waits for (its ``want`` file) still unbuilt
-``data.reader_timeout_s`` after the agent first saw it missing; ranks wait for it.
+``data.reader_timeout_s`` after the agent first saw it missing, counted from when
+the reader said it is ready (its imports and the dataset's opening are not
+progress it owes: under load they alone took longer than a short bound); a
+reader not ready :data:`READER_START_S` after its start is restarted too. Ranks
+wait for it.
 Cache directories are ``<data.mmap_cache_base>/ckless-<agent pid>-<random>``,
 owner-only: two jobs on one node never share one, and a directory whose agent
 pid is gone (an agent killed with SIGKILL) is removed by the next agent.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -23,14 +28,16 @@ import time
 import uuid
 from pathlib import Path
 
-from ckless_lightning.agent.processes import is_stopped, signal_session
+from ckless_lightning.agent.process_state import is_stopped, signal_session
 from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir, unbuilt_wanted_steps
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import launcher_env
 from ckless_lightning.runtime.faults import claim_fault
 
-__all__ = ["BatchCacheService"]
+__all__ = ["READER_START_S", "BatchCacheService"]
+
+READER_START_S = 120.0  # a reader not ready (imported, dataset open) this long after its start is restarted
 
 _JOB_DIR = re.compile(r"^ckless-(\d+)-[0-9a-f]+$")
 
@@ -43,6 +50,15 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _restart_reason(stopped: bool, wedged: tuple[int, float] | None) -> str:
+    """``reader_restarted``'s reason: stopped, exited, no_start (never ready) or no_progress."""
+    if stopped:
+        return "stopped"
+    if wedged is None:
+        return "exited"
+    return "no_start" if wedged[0] < 0 else "no_progress"
 
 
 class BatchCacheService:
@@ -63,6 +79,8 @@ class BatchCacheService:
         self.reader: subprocess.Popen[bytes] | None = None
         self.max_steps = job.trainer.max_steps * job.accumulate_grad_batches
         self._owed_since: float | None = None  # monotonic time the reader first owed a wanted step
+        self._ready_fd: int | None = None  # read end of the reader's ready pipe, until it said ready
+        self._started_mono = 0.0  # time.monotonic() the running reader was started
         node = job.cluster.node_rank
         self._stall = [s for s in job.fault_specs() if s.fault_type == "reader_stall" and s.node == node]
 
@@ -88,7 +106,7 @@ class BatchCacheService:
             signal_session(self.reader.pid, signal.SIGKILL)
             self.reader.wait()
         if (code := self.reader.poll()) is not None:
-            reason = "stopped" if stopped else "no_progress" if wedged is not None else "exited"
+            reason = _restart_reason(stopped, wedged)
             self.events.emit(
                 "reader_restarted",
                 node=self.job.cluster.node_rank,
@@ -97,7 +115,9 @@ class BatchCacheService:
                 reason=reason,
                 **({"owed_step": wedged[0], "owed_s": round(wedged[1], 3)} if wedged else {}),
             )
-            if wedged is not None:
+            if wedged is not None and wedged[0] < 0:
+                how = f"was not ready {wedged[1]:.1f} s after its start (killed it)"
+            elif wedged is not None:
                 how = f"left step {wedged[0]} unbuilt for {wedged[1]:.1f} s (killed it)"
             else:
                 how = "was stopped (killed it)" if stopped else f"exited with {code}"
@@ -105,8 +125,12 @@ class BatchCacheService:
             self._start_reader()
 
     def _wedged_on(self) -> tuple[int, float] | None:
-        """(step, seconds) if the reader has owed a step a rank waits for longer than its bound."""
+        """(step, seconds) if the reader has owed a step a rank waits for longer than its bound, or
+        (-1, seconds) if it has not said it is ready :data:`READER_START_S` after its start."""
         assert self.root is not None
+        if not self._said_ready():
+            waited = time.monotonic() - self._started_mono
+            return (-1, waited) if waited > READER_START_S else None
         owed = unbuilt_wanted_steps(self.root, len(self.local_ranks), self.max_steps)
         if not owed:
             self._owed_since = None
@@ -117,7 +141,25 @@ class BatchCacheService:
         waited = now - self._owed_since
         return (owed[0], waited) if waited > self.job.data.reader_timeout_s else None
 
+    def _said_ready(self) -> bool:
+        """Whether the running reader said it is ready (reads its pipe without blocking)."""
+        fd = self._ready_fd
+        if fd is None:
+            return True
+        readable, _, _ = select.select([fd], [], [], 0)
+        if not readable:
+            return False
+        said = os.read(fd, 64)  # a line, or b"" if it exited before saying anything
+        self._close_ready_fd()
+        return bool(said)
+
+    def _close_ready_fd(self) -> None:
+        if self._ready_fd is not None:
+            os.close(self._ready_fd)
+            self._ready_fd = None
+
     def close(self) -> None:
+        self._close_ready_fd()
         if self.reader is not None:
             signal_session(self.reader.pid, signal.SIGKILL)
             self.reader.wait()
@@ -164,11 +206,26 @@ class BatchCacheService:
             command += ["--stall-at-step", str((stall.step - 1) * self.job.accumulate_grad_batches)]
         log_path = Path(self.job.run_dir) / "rank_logs" / f"cache_reader.node{self.job.cluster.node_rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as log:
-            self.reader = subprocess.Popen(
-                command, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self._owed_since = None  # the new reader gets a full data.reader_timeout_s (it imports first)
+        self._close_ready_fd()
+        read_fd, write_fd = os.pipe()
+        try:
+            with log_path.open("ab") as log:
+                self.reader = subprocess.Popen(
+                    [*command, "--ready-fd", str(write_fd)],
+                    env=launcher_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=(write_fd,),
+                )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self._ready_fd = read_fd
+        self._started_mono = time.monotonic()
+        self._owed_since = None  # its data.reader_timeout_s starts once it is ready
         self.events.emit(
             "reader_started", node=self.job.cluster.node_rank, pid=self.reader.pid, root=str(self.root)
         )

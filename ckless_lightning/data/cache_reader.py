@@ -19,6 +19,7 @@ and keeps the valid entries).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -149,6 +150,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--stall-at-step", type=int, default=None, help="fault injection: stop building at this step"
     )
     parser.add_argument("--events", default=None, help="the job's events.jsonl (for the injected stall)")
+    parser.add_argument("--ready-fd", type=int, default=None, help="a pipe to the agent: a line says 'ready'")
     args = parser.parse_args(argv)
     try:
         args.dp_ranks = tuple(int(r) for r in args.dp_ranks.split(","))
@@ -176,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         row_len=len(dataset[0]["input_ids"]),
         source_tag=source_tag(args.prepared, args.seed, args.dp_size, args.micro_batch_size),
     )
+    if args.ready_fd is not None:  # imports done, dataset open: from now on it owes progress
+        with os.fdopen(args.ready_fd, "wb") as ready:
+            ready.write(b"ready\n")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -57,8 +57,9 @@ line N of ``losses.jsonl``. The kinds and their fields:
 ``reader_started`` {node, pid, root}, ``reader_restarted`` {node, exit_code, stopped, reason, owed_step?,
 owed_s?}
     Tier 2+: the node's batch-cache reader was started; it was restarted because it ``exited``,
-    was ``stopped`` (killed first) or made ``no_progress`` (left ``owed_step``, which a rank waits
-    for, unbuilt ``owed_s`` > ``data.reader_timeout_s`` seconds).
+    was ``stopped`` (killed first), made ``no_progress`` (left ``owed_step``, which a rank waits
+    for, unbuilt ``owed_s`` > ``data.reader_timeout_s`` seconds once it was ready), or was
+    ``no_start`` (not ready ``owed_s`` seconds after its start; ``owed_step`` -1).
 ``rank_lost_after_end`` {rank, exit_code, gen}
     Tiers 3-4: a rank died after a peer had passed its last collective (the job's output was
     complete); it is counted as finished, not replaced.
