@@ -355,7 +355,10 @@ class InProcessRecovery:
             f"({type(err).__name__}: {str(err)[:200]})",
             file=sys.stderr,
         )
-        traceback.print_exception(err, file=sys.stderr)  # where it was raised: the rank's own log
+        if not (is_peer_failure(err) or isinstance(err, GenerationChanged)):
+            # Its own error: where it was raised. A lost peer or a moved generation says all in the
+            # line above; its traceback (a collective's internals) was noise on every recovery.
+            traceback.print_exception(err, file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()
         self.session.leave()
