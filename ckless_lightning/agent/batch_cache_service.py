@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ckless_lightning.agent.process_state import is_stopped, signal_session
+from ckless_lightning.agent.process_state import is_stopped, read_ready, signal_session, start_with_ready_pipe
 from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir, unbuilt_wanted_steps
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
@@ -146,12 +145,11 @@ class BatchCacheService:
         fd = self._ready_fd
         if fd is None:
             return True
-        readable, _, _ = select.select([fd], [], [], 0)
-        if not readable:
+        said = read_ready(fd)
+        if said is None:
             return False
-        said = os.read(fd, 64)  # a line, or b"" if it exited before saying anything
-        self._close_ready_fd()
-        return bool(said)
+        self._ready_fd = None  # read_ready closed it
+        return said  # False: it exited before it was ready (keep_running restarts it)
 
     def _close_ready_fd(self) -> None:
         if self._ready_fd is not None:
@@ -207,22 +205,10 @@ class BatchCacheService:
         log_path = Path(self.job.run_dir) / "rank_logs" / f"cache_reader.node{self.job.cluster.node_rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._close_ready_fd()
-        read_fd, write_fd = os.pipe()
-        try:
-            with log_path.open("ab") as log:
-                self.reader = subprocess.Popen(
-                    [*command, "--ready-fd", str(write_fd)],
-                    env=launcher_env(),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    pass_fds=(write_fd,),
-                )
-        except BaseException:
-            os.close(read_fd)
-            raise
-        finally:
-            os.close(write_fd)
+        with log_path.open("ab") as log:
+            self.reader, read_fd = start_with_ready_pipe(
+                command, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT
+            )
         self._ready_fd = read_fd
         self._started_mono = time.monotonic()
         self._owed_since = None  # its data.reader_timeout_s starts once it is ready

@@ -1,15 +1,47 @@
-"""Two questions the agent asks of any process it started: is it stopped, and signal its session.
+"""What the agent does with any process it starts: start it with a ready pipe, read that pipe,
+ask whether it is stopped, signal its session.
 
-A leaf of the agent package (the rank processes, the spare pool and the fork server all use it).
+A leaf of the agent package (the rank processes, the spare pool, the batch-cache reader and the
+fork server use it).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
+import subprocess
 from pathlib import Path
+from typing import Any
 
-__all__ = ["is_stopped", "signal_session"]
+__all__ = ["is_stopped", "read_ready", "signal_session", "start_with_ready_pipe"]
+
+
+def start_with_ready_pipe(command: list[str], **popen: Any) -> tuple[subprocess.Popen[bytes], int]:
+    """``command --ready-fd FD`` in its own session; returns the process and the pipe's read end,
+    on which it writes a line once ready (see :func:`read_ready`). ``popen``: more ``Popen`` arguments."""
+    read_fd, write_fd = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [*command, "--ready-fd", str(write_fd)], start_new_session=True, pass_fds=(write_fd,), **popen
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return proc, read_fd
+
+
+def read_ready(fd: int) -> bool | None:
+    """Read a ready pipe without blocking: None, nothing yet; True, it said ready; False, it exited
+    before saying anything. Once it returns a bool, ``fd`` is closed."""
+    readable, _, _ = select.select([fd], [], [], 0)
+    if not readable:
+        return None
+    said = os.read(fd, 64)
+    os.close(fd)
+    return bool(said)
 
 
 def signal_session(pid: int, sig: signal.Signals) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from ckless_lightning.agent.process_state import is_stopped, signal_session
+from ckless_lightning.agent.process_state import is_stopped, read_ready, signal_session, start_with_ready_pipe
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.contract import RankSpec, launcher_env
 
@@ -282,16 +281,13 @@ class SparePool:
         fd = self._ready_fds.get(proc.pid)
         if fd is None:
             return False
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(0):
+        said = read_ready(fd)
+        if said is None:
             return False
-        said = os.read(fd, 64)  # a line, or b"" if it exited before saying anything
-        os.close(fd)
         del self._ready_fds[proc.pid]
         if said:
             self._ready.add(proc.pid)
-        return bool(said)
+        return said
 
     def _drop_lost(self) -> None:
         """Forget spares that are gone (a stopped one is killed first); note one that exited by itself."""
@@ -349,22 +345,13 @@ class SparePool:
         with self._lock:
             if self._closed:
                 return
-        read_fd, write_fd = os.pipe()
-        try:
-            proc = subprocess.Popen(
-                [*self._command, "--ready-fd", str(write_fd)],
-                env=launcher_env(),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                pass_fds=(write_fd,),
-            )
-        except BaseException:
-            os.close(read_fd)
-            raise
-        finally:
-            os.close(write_fd)
+        proc, read_fd = start_with_ready_pipe(
+            self._command,
+            env=launcher_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         with self._lock:
             self._starting -= 1
             closed = self._closed
