@@ -159,7 +159,7 @@ def _report(job: Any, run_dir: Path, code: int) -> None:
     if job.cluster.node_rank == 0 and events_path.exists():
         print(summarize(read_events(events_path), read_loss_records(run_dir / "losses.jsonl")).format())
         print()
-        timeline = _draw_timeline(run_dir)
+        timeline = _draw_timeline(run_dir) if job.timeline else None
     print("done" if code == 0 else f"failed (exit code {code})")
     if losses:
         first, last = min(losses), max(losses)

@@ -23,6 +23,9 @@ The protocol, on a ``SOCK_SEQPACKET`` socket pair with the agent (one JSON messa
   the agent writes once it has the pid: a rank whose pid the agent never got (a server killed or
   stopped mid-request) reads end-of-file instead and exits before it does anything, so no rank
   runs that the agent does not supervise.
+- a request with ``"role": "spare"`` forks a warm spare instead: after ``go`` it says
+  ``spare_prepared`` and waits on the same pipe for a rank assignment (one JSON line, as
+  ``python -m ckless_lightning.spare`` takes on stdin), then becomes that rank.
 
 Each rank is forked twice so that it is the agent's child, not the server's: the agent is a
 child subreaper (``PR_SET_CHILD_SUBREAPER``), so when the intermediate process exits the rank is
@@ -45,9 +48,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckless_lightning.runtime.contract import RankContext, die_with_launcher
+
+if TYPE_CHECKING:
+    from ckless_lightning.training.rank_process import PreparedRank
 
 __all__ = ["MAX_MESSAGE", "serve"]
 
@@ -118,10 +124,25 @@ def serve(argv: list[str] | None = None) -> int:
             _send(sock, {"error": why})
             continue
         become_rank = _fork_rank(sock, request, fds[0], fds[1])
-        if become_rank is not None:  # in the forked rank: leave the server's loop for good
+        if become_rank is not None:  # in the forked process: leave the server's loop for good
+            forked_at = time.time()
             become_rank()
+            if request.get("role") == "spare":
+                return _serve_as_spare(prepared, forked_at)
             rank_args = _rank_parser().parse_args(request["argv"])
             return run_rank_process(rank_args.config, RankContext.from_env(), prepared=prepared)
+
+
+def _serve_as_spare(prepared: PreparedRank, forked_at: float) -> int:
+    """A warm spare forked from this server (``"role": "spare"``): the imports and the config are
+    the server's; look the dataset up (the server skipped it), say ``spare_prepared`` and wait on
+    stdin (the go pipe, kept open by the agent) for the rank, as ``python -m ckless_lightning.spare``."""
+    from ckless_lightning.training.rank_process import announce_prepared, await_rank, warm_data
+
+    warm_data(prepared.job)
+    announce_prepared(prepared, forked_at)
+    with open(0, encoding="utf-8", closefd=False) as stdin:
+        return await_rank(prepared, stdin)
 
 
 def _rank_parser() -> argparse.ArgumentParser:

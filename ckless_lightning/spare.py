@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING
 
-from ckless_lightning.runtime.contract import RankContext, die_with_launcher
-
-if TYPE_CHECKING:
-    from ckless_lightning.training.rank_process import PreparedRank
+from ckless_lightning.runtime.contract import die_with_launcher
 
 __all__ = ["serve"]
 
@@ -51,7 +46,7 @@ def serve(argv: list[str] | None = None) -> int:
     import lightning.pytorch  # noqa: F401  - the point of a spare: pay the imports before the fault
     import torch  # noqa: F401
 
-    from ckless_lightning.training.rank_process import Handover, prepare_rank, run_rank_process
+    from ckless_lightning.training.rank_process import announce_prepared, await_rank, prepare_rank
 
     prepared = None
     if spawn_args.config:
@@ -65,18 +60,10 @@ def serve(argv: list[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     if prepared is not None:
-        _announce(prepared, started)
+        announce_prepared(prepared, started)
     if spawn_args.ready_fd is not None:
         _say_ready(spawn_args.ready_fd)
-
-    line = sys.stdin.readline()
-    handover = Handover.now()
-    if not line:
-        return 0
-    assignment = json.loads(line)
-    os.environ.update(assignment["env"])  # the agent's variables for the rank (RankSpec.env)
-    args = _parse(assignment["argv"], required=True)
-    return run_rank_process(args.config, RankContext.from_env(), prepared=prepared, handover=handover)
+    return await_rank(prepared, sys.stdin)
 
 
 def _say_ready(fd: int) -> None:
@@ -87,21 +74,6 @@ def _say_ready(fd: int) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _announce(prepared: PreparedRank, started: float) -> None:
-    """``spare_prepared`` {pid, start_s, prepare_s, modules}: this spare is prepared and waits for a
-    rank (``start_s``: seconds since ``serve`` began, imports included; ``prepare_s``: of which
-    preparing; ``modules``: how many are imported)."""
-    from ckless_lightning.record.events import EventLog
-
-    EventLog(os.path.join(prepared.job.run_dir, "events.jsonl"), source=f"spare{os.getpid()}").emit(
-        "spare_prepared",
-        pid=os.getpid(),
-        start_s=round(time.time() - started, 6),
-        prepare_s=round(prepared.prepare_s, 6),
-        modules=prepared.modules,
-    )
 
 
 if __name__ == "__main__":

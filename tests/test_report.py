@@ -133,6 +133,7 @@ def test_job_report_survives_a_rendering_failure(tmp_path, capsys, monkeypatch):
     """cli._report draws the picture on node 0, and a failure to draw is a warning, not an error."""
     run = write_run(tmp_path / "run")
     job = SimpleNamespace(
+        timeline=True,
         cluster=SimpleNamespace(node_rank=0),
         checkpoint=SimpleNamespace(dir=run / "ck"),
         run_dir=str(run),
@@ -165,7 +166,13 @@ def test_matplotlib_is_imported_only_to_draw():
 
 # --- real runs --------------------------------------------------------------------------------------
 
-REAL = ("trainer.max_steps=8", "tier=4", "agent.hang_timeout=6", "checkpoint.every_n_steps=0")
+REAL = (
+    "trainer.max_steps=8",
+    "timeline=true",
+    "tier=4",
+    "agent.hang_timeout=6",
+    "checkpoint.every_n_steps=0",
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,23 @@
-"""The per-node agent (training operator): supervises ranks, spares and the batch cache; no Lightning."""
+"""The per-node agent (training operator): supervises ranks, spares and the batch cache; no Lightning.
 
-from ckless_lightning.agent.node_agent import EXIT_FAULT_BUDGET, NodeAgent
+``NodeAgent`` loads lazily (PEP 562): it imports torch, and ``launch.py`` imports
+:mod:`ckless_lightning.agent.fork_server` first, to start the fork server before
+the launcher's own imports of torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckless_lightning.agent.node_agent import EXIT_FAULT_BUDGET, NodeAgent
 
 __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from ckless_lightning.agent import node_agent
+
+        return getattr(node_agent, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -59,10 +59,10 @@ class ForkedProcess:
     """A rank forked by the fork server and re-parented to this process: what
     :class:`~ckless_lightning.agent.processes.RankProcess` needs of a ``subprocess.Popen``."""
 
-    def __init__(self, pid: int, stdout: IO[bytes]) -> None:
+    def __init__(self, pid: int, stdout: IO[bytes], stdin: IO[bytes] | None = None) -> None:
         self.pid = pid
         self.stdout: IO[bytes] | None = stdout
-        self.stdin: IO[bytes] | None = None
+        self.stdin: IO[bytes] | None = stdin  # a spare's: its go pipe, for the rank assignment
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -139,19 +139,37 @@ class ForkServer:
         with self._lock:
             return self._proc is not None and self._sock is not None and self._wait_ready(wait_s)
 
+    @property
+    def is_ready(self) -> bool:
+        """Whether the server is prepared and can fork now (never waits)."""
+        with self._lock:
+            return self._ready and self._proc is not None and self._proc.poll() is None
+
     def fork(
-        self, env: dict[str, str], argv: list[str], *, ready_wait_s: float = READY_WAIT_S
+        self,
+        env: dict[str, str],
+        argv: list[str],
+        *,
+        spare: bool = False,
+        ready_wait_s: float = READY_WAIT_S,
     ) -> ForkedProcess | None:
         """A rank process with ``env`` and ``argv`` (``--config PATH``), its output on a new pipe;
         None when the server cannot give one within the bounds (start the rank cold). Call
-        :meth:`ready` first when ``env`` holds the time of the start (the wait comes before it)."""
+        :meth:`ready` first when ``env`` holds the time of the start (the wait comes before it).
+        With ``spare``, a warm spare instead: its ``stdin`` takes the rank assignment."""
         with self._lock:
             if self._proc is None or self._sock is None or not self._wait_ready(ready_wait_s):
                 return None
             out_read, out_write = os.pipe()
             go_read, go_write = os.pipe()
+            keep_go = False
             try:
-                request = {"env": env, "argv": argv, "cwd": os.getcwd()}
+                request = {
+                    "env": env,
+                    "argv": argv,
+                    "cwd": os.getcwd(),
+                    **({"role": "spare"} if spare else {}),
+                }
                 socket.send_fds(self._sock, [json.dumps(request).encode()], [out_write, go_read])
                 reply = self._receive(REPLY_WAIT_S)
             except OSError as err:
@@ -165,9 +183,12 @@ class ForkServer:
                     self._lose(self._why("no answer") if reply is None else str(reply.get("error")))
                     return None  # a rank forked all the same reads end-of-file on its go pipe and quits
                 _say_go(go_write)
+                keep_go = spare
             finally:
-                os.close(go_write)
-            return ForkedProcess(int(reply["pid"]), os.fdopen(out_read, "rb"))
+                if not keep_go:
+                    os.close(go_write)
+            stdin = os.fdopen(go_write, "wb") if keep_go else None
+            return ForkedProcess(int(reply["pid"]), os.fdopen(out_read, "rb"), stdin)
 
     def tend(self) -> None:
         """Replace a server that died or was stopped (killed first), after a back-off that doubles

@@ -105,12 +105,14 @@ class NodeAgent:
         self.config_path = config_path
         self.run_dir = Path(job.run_dir)
         self.events = EventLog(self.run_dir / "events.jsonl", source=f"agent{self.node}")
-        self.spares = SparePool(self.cfg.spares, config_path=config_path, events=self.events)
         if fork_server is None and self.cfg.fork_server:
             fork_server = ForkServer(self.run_dir / "rank_logs" / f"forkserver{self.node}.log")
         self.fork_server = fork_server
         if self.fork_server is not None:
             self.fork_server.prepare(config_path, self.events)
+        self.spares = SparePool(
+            self.cfg.spares, config_path=config_path, events=self.events, fork_server=self.fork_server
+        )
         self.ranks: dict[int, RankProcess] = {}
         first = self.node * self.cluster.nproc_per_node
         self.local_ranks = list(range(first, first + self.cluster.nproc_per_node))

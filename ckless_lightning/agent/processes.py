@@ -24,7 +24,12 @@ from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.contract import RankSpec, launcher_env
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     from ckless_lightning.agent.fork_server import ForkedProcess, ForkServer
+
+    # A warm spare: started cold (``python -m ckless_lightning.spare``) or forked by the fork server.
+    Spare: TypeAlias = "subprocess.Popen[bytes] | ForkedProcess"
 
 __all__ = ["RankProcess", "SparePool", "failure_report", "is_stopped", "signal_session"]
 
@@ -72,9 +77,7 @@ class RankProcess:
         return None if proc is None else cls(spec, proc, log_dir, warm=False, forked=True)
 
     @classmethod
-    def adopt(
-        cls, spec: RankSpec, spare: subprocess.Popen[bytes], argv: list[str], log_dir: Path
-    ) -> RankProcess:
+    def adopt(cls, spec: RankSpec, spare: Spare, argv: list[str], log_dir: Path) -> RankProcess:
         assert spare.stdin is not None
         assignment = {"env": spec.env(time.time()), "argv": argv}
         try:
@@ -180,6 +183,9 @@ class SparePool:
     waits for a process to start. A spare that exited by itself (it could not start) is replaced
     after a back-off that doubles each time, up to ``max_backoff_s``. :meth:`close` kills every
     spare, including one being started.
+
+    With a ``fork_server`` that is ready, a spare is forked from it (milliseconds, no imports of
+    its own: ready at once); otherwise it is started cold as above.
     """
 
     def __init__(
@@ -190,17 +196,21 @@ class SparePool:
         events: EventLog | None = None,
         command: list[str] | None = None,
         max_backoff_s: float = 60.0,
+        fork_server: ForkServer | None = None,
     ) -> None:
         """``config_path``: the job's resolved config, for every spare to prepare; ``events``: where
         ``spare_started`` / ``spare_lost`` go; ``command``: the spare's command line before
-        ``--ready-fd FD`` (default ``python -m ckless_lightning.spare [--config CONFIG]``)."""
+        ``--ready-fd FD`` (default ``python -m ckless_lightning.spare [--config CONFIG]``);
+        ``fork_server``: fork spares from it while it is ready (needs ``config_path``)."""
         self.size = size
         self.events = events
         self.max_backoff_s = max_backoff_s
         config = ["--config", str(config_path)] if config_path is not None else []
         self._command = command or [sys.executable, "-m", "ckless_lightning.spare", *config]
+        self._fork_argv = config
+        self._fork_server = fork_server if config_path is not None else None
         self._lock = threading.Lock()  # guards everything below but the back-off
-        self._spares: list[subprocess.Popen[bytes]] = []  # oldest first
+        self._spares: list[Spare] = []  # oldest first
         self._ready_fds: dict[int, int] = {}  # pid -> read end of its ready pipe, until it said ready
         self._ready: set[int] = set()  # pids of spares that said they are ready
         self._starting = 0  # spares being started by the background thread
@@ -231,7 +241,7 @@ class SparePool:
         self._active = True
         self.tend(start=True)
 
-    def take(self) -> subprocess.Popen[bytes] | None:
+    def take(self) -> Spare | None:
         """A running spare, or None: the oldest ready one, else the oldest still preparing. Dead and
         stopped spares are dropped (a stopped one killed). Its replacement starts at the next
         ``tend(start=True)``."""
@@ -274,7 +284,7 @@ class SparePool:
             os.close(fd)
 
     # -- pieces ------------------------------------------------------------------------------------
-    def _is_ready(self, proc: subprocess.Popen[bytes]) -> bool:
+    def _is_ready(self, proc: Spare) -> bool:
         """Whether ``proc`` said it is ready (reads its pipe without blocking); call with the lock."""
         if proc.pid in self._ready:
             return True
@@ -345,6 +355,11 @@ class SparePool:
         with self._lock:
             if self._closed:
                 return
+        if self._fork_server is not None and self._fork_server.is_ready:
+            forked = self._fork_server.fork(launcher_env(), self._fork_argv, spare=True)
+            if forked is not None:
+                self._add_forked(forked)
+                return
         proc, read_fd = start_with_ready_pipe(
             self._command,
             env=launcher_env(),
@@ -365,3 +380,18 @@ class SparePool:
             return
         if self.events is not None:
             self.events.emit("spare_started", pid=proc.pid)
+
+    def _add_forked(self, proc: ForkedProcess) -> None:
+        """Pool a spare forked by the fork server: prepared already, so ready at once."""
+        with self._lock:
+            self._starting -= 1
+            closed = self._closed
+            if not closed:
+                self._spares.append(proc)
+                self._ready.add(proc.pid)
+        if closed:
+            signal_session(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return
+        if self.events is not None:
+            self.events.emit("spare_started", pid=proc.pid, forked=True)

@@ -24,15 +24,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from datasets import Dataset, DatasetDict, Features, LargeList, List, Value, load_dataset, load_from_disk
 
 from ckless_lightning.data.config import DataConfig
 from ckless_lightning.data.corpus import default_corpus, file_fingerprints
 from ckless_lightning.data.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    # ``datasets`` (with pandas) is imported where it is used: a launcher whose data is cached
+    # (every job after the first) does not need it.
+    from datasets import Dataset
 
 __all__ = ["FORMAT_VERSION", "PreparedData", "load_prepared", "prepare_dataset"]
 
@@ -151,6 +156,8 @@ def _cache_key(cfg: DataConfig, src: _Source) -> str:
 
 def _tokenize(cfg: DataConfig, src: _Source, work: Path, key: str) -> Dataset:
     """One row per document with an ``input_ids`` id list (text sources end each with EOD)."""
+    from datasets import Features, LargeList, Value, load_dataset
+
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
     kwargs = {"sample_by": "document", "encoding_errors": "replace"} if src.format == "text" else {}
     text_column = "text" if src.format == "text" else cfg.text_column
@@ -195,6 +202,8 @@ def _tokenize(cfg: DataConfig, src: _Source, work: Path, key: str) -> Dataset:
 
 def _load_tokenized(src: _Source) -> Dataset:
     """The ``input_ids`` column of a saved dataset, checked to hold non-negative int32-range ids."""
+    from datasets import DatasetDict, load_from_disk
+
     assert src.directory is not None
     ds = load_from_disk(str(src.directory))
     if isinstance(ds, DatasetDict):
@@ -277,6 +286,8 @@ def prepare_dataset(cfg: DataConfig) -> PreparedData:
         log.info("data: using cached %s (%d samples)", final, meta["num_samples"])
         return PreparedData(final, meta["num_samples"], meta["num_tokens"], key, cfg.seq_len, from_cache=True)
 
+    from datasets import Dataset, Features, List, Value
+
     root.mkdir(parents=True, exist_ok=True)
     work = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     work.mkdir()
@@ -343,6 +354,8 @@ def prepare_dataset(cfg: DataConfig) -> PreparedData:
 
 def load_prepared(path: str | Path) -> Dataset:
     """Memory-map a prepared dataset for a rank; ``input_ids`` and ``sample_id`` come out as tensors."""
+    from datasets import Dataset, load_from_disk
+
     path = Path(path)
     if _read_meta(path) is None:
         raise FileNotFoundError(f"{path} is not a prepared dataset (no {_META_FILE}); run prepare_dataset.")

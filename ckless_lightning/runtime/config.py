@@ -321,12 +321,16 @@ class JobConfig:
     tier: int = 0
     seed: int = 1234
     dry_run: bool = False
+    # Draw <run_dir>/timeline.png when the job ends (``python -m ckless_lightning.report`` draws it later).
+    timeline: bool = True
     # The experiment logger (the ``logger`` group); None: the default, CSV under run_dir.
     logger: LoggerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.logger is None:
             self.logger = LoggerConfig.csv(self.run_dir)
+        if not isinstance(self.timeline, bool):
+            raise ValueError(f"timeline must be true or false, got {self.timeline!r}")
         if self.tier not in range(5):
             raise ValueError(f"tier must be 0..4, got {self.tier}")
         if self.tier not in AVAILABLE_TIERS:
@@ -486,6 +490,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "run_dir",
         "seed",
         "dry_run",
+        "timeline",
         "tier",
         "fault",
         "agent",
@@ -517,5 +522,6 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         tier=int(cfg.get("tier", 0)),
         seed=int(cfg.get("seed", 1234)),
         dry_run=bool(cfg.get("dry_run", False)),
+        timeline=cfg.get("timeline", True),
         logger=LoggerConfig.from_mapping(cfg["logger"]) if cfg.get("logger") is not None else None,
     )

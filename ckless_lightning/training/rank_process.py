@@ -15,14 +15,16 @@ record (``rank_phase`` events ``spare_handed`` and ``spare_ready``, and
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from omegaconf import OmegaConf
 
@@ -31,7 +33,17 @@ from ckless_lightning.runtime.config import JobConfig, job_config_from_dict
 from ckless_lightning.runtime.contract import ExitCode, RankContext, is_peer_failure
 from ckless_lightning.training.job import train_rank
 
-__all__ = ["Handover", "PreparedRank", "import_rank_path", "load_job", "prepare_rank", "run_rank_process"]
+__all__ = [
+    "Handover",
+    "PreparedRank",
+    "announce_prepared",
+    "await_rank",
+    "import_rank_path",
+    "load_job",
+    "prepare_rank",
+    "run_rank_process",
+    "warm_data",
+]
 
 # What the rank path imports after ``training.job`` is imported: lazily, on the first Trainer, fit,
 # process group, FSDP2 sharding, checkpoint save or load, memory restore. Found by comparing
@@ -40,6 +52,7 @@ __all__ = ["Handover", "PreparedRank", "import_rank_path", "load_job", "prepare_
 # module a spare-born rank imports after its hand-over). A name that does not import (an optional
 # package, another torch version) is skipped.
 RANK_PATH_MODULES: tuple[str, ...] = (
+    "datasets",  # ckless_lightning.data.packing imports it where used (load_prepared: tiers 0-1)
     "faulthandler",
     "multiprocessing.synchronize",
     "torch.distributed._tensor",
@@ -104,11 +117,11 @@ def prepare_rank(config_path: str | Path, *, warm_data: bool = True) -> Prepared
     job = load_job(path)
     import_rank_path()
     if warm_data:
-        _warm_data(job)
+        warm_data(job)
     return PreparedRank(path, job, time.perf_counter() - started, len(sys.modules))
 
 
-def _warm_data(job: JobConfig) -> None:
+def warm_data(job: JobConfig) -> None:
     """Look the prepared dataset up (a cache hit: launch.py prepared it) and, when the ranks read it
     directly (no batch cache), memory-map it once: rank-independent, and it warms the page cache."""
     from ckless_lightning.data import load_prepared, prepare_dataset
@@ -177,6 +190,41 @@ def run_rank_process(
         print(f"rank {context.rank}: a peer went away ({type(err).__name__}: {err})", file=sys.stderr)
         return ExitCode.PEER_FAILED
     return ExitCode.OK
+
+
+def announce_prepared(prepared: PreparedRank, started: float) -> None:
+    """``spare_prepared`` {pid, start_s, prepare_s, modules}: this spare is prepared and waits for a
+    rank (``start_s``: seconds since ``started``, its start, imports included; ``prepare_s``: of
+    which preparing; ``modules``: how many are imported)."""
+    EventLog(os.path.join(prepared.job.run_dir, "events.jsonl"), source=f"spare{os.getpid()}").emit(
+        "spare_prepared",
+        pid=os.getpid(),
+        start_s=round(time.time() - started, 6),
+        prepare_s=round(prepared.prepare_s, 6),
+        modules=prepared.modules,
+    )
+
+
+def await_rank(prepared: PreparedRank | None, stdin: IO[str]) -> int:
+    """Block on ``stdin`` for the rank assignment (one JSON line), then become that rank; 0 when
+    ``stdin`` closes first. The path of every warm spare, cold (``python -m ckless_lightning.spare``)
+    or forked by the fork server."""
+    line = stdin.readline()
+    handover = Handover.now()
+    if not line:
+        return 0
+    assignment = json.loads(line)
+    os.environ.update(assignment["env"])  # the agent's variables for the rank (RankSpec.env)
+    return run_rank_process(
+        _assigned_config(assignment["argv"]), RankContext.from_env(), prepared=prepared, handover=handover
+    )
+
+
+def _assigned_config(argv: list[str]) -> str:
+    """The ``--config PATH`` of a rank assignment's ``argv`` (``python -m ckless_lightning.rank``'s)."""
+    parser = argparse.ArgumentParser(prog="rank assignment")
+    parser.add_argument("--config", required=True)
+    return parser.parse_args(argv).config
 
 
 def _events(job: JobConfig, context: RankContext) -> EventLog:
