@@ -43,8 +43,14 @@ def compose(tmp_path: Path):
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
-    """One packed-data cache for the session's launch.py runs (a cache hit after the first)."""
-    return tmp_path_factory.mktemp("data_cache")
+    """One packed-data cache for the session's launch.py runs (a cache hit after the first), shared
+    by pytest-xdist's test processes (their temp dirs have one parent; preparing the same data
+    twice at once is safe: the second copy is discarded)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = shared / "data_cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def launch_command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str]:
@@ -52,7 +58,10 @@ def launch_command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str
 
     Without a ``fault=...`` override the run has no fault (``fault=none``: the
     default recipe's demo fault is off); without a ``tier=...`` override it runs at
-    tier 0 (the user's default is tier 4).
+    tier 0 (the user's default is tier 4); without a ``timeline=...`` override it draws
+    no timeline picture (test_report.py draws them; matplotlib costs each job ~1.5 s); without a
+    ``data.seq_len=...`` override it trains on 32-token sequences (the recipe's 128 made each job
+    ~4 s of CPU slower on 2 cores; what the tests assert does not depend on the length).
     """
     return [
         sys.executable,
@@ -63,6 +72,8 @@ def launch_command(run_dir: Path, data_cache: Path, *overrides: str) -> list[str
         "trainer.enable_progress_bar=false",
         *([] if any(o.startswith("fault=") for o in overrides) else ["fault=none"]),
         *([] if any(o.startswith("tier=") for o in overrides) else ["tier=0"]),
+        *([] if any(o.startswith("timeline=") for o in overrides) else ["timeline=false"]),
+        *([] if any(o.startswith("data.seq_len=") for o in overrides) else ["data.seq_len=32"]),
         *overrides,
     ]
 
@@ -82,3 +93,30 @@ def launch_job(
             f"exit {result.returncode}, expected {expect}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         )
     return result
+
+
+# The slowest files (4-rank jobs), slowest first: pytest-xdist (pyproject: -n 2 --dist loadfile
+# --no-loadscope-reorder) hands each test process one file, then a second (the first four: tier 4
+# and tier 3 to one, the agent and tier 2 to the other, ~575 s and ~485 s on 2 cores), then the
+# next file to whichever finishes first, so the short files fill in around the long ones.
+SLOWEST_FILES = (
+    "test_tier4.py",
+    "test_agent.py",
+    "test_tier3.py",
+    "test_tier2.py",
+    "test_models_sharded.py",
+    "test_faults.py",
+    "test_cli.py",
+    "test_launcher_cleanup.py",
+    "test_report.py",
+    "test_training.py",
+    "test_spares.py",
+    "test_replication_unit.py",
+    "test_user_trainer.py",
+    "test_fork_server.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: file order kept

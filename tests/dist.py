@@ -59,6 +59,10 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
     os.replace(tmp_path, os.path.join(out_dir, f"rank{rank}.pkl"))  # atomic: the parent never reads half
     if result[0] == "error":
         os._exit(1)  # peers may be blocked in a collective with us; the parent kills them
+    # Tear down only once every rank is done: a rank that left first once aborted a peer still
+    # finishing its last collective under load ("terminate called without an active exception").
+    # A peer that never comes is the parent's timeout to handle (it kills every rank).
+    dist.barrier()
     dist.destroy_process_group()
 
 

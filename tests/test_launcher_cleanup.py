@@ -13,19 +13,24 @@ import pytest
 from conftest import ROOT
 
 
-def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[psutil.Process]]:
+def start_long_run(
+    tmp_path: Path, data_cache: Path, *overrides: str
+) -> tuple[subprocess.Popen[bytes], list[psutil.Process]]:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
             sys.executable,
             str(ROOT / "launch.py"),
             f"hydra.run.dir={run_dir}",
-            f"data.cache_dir={tmp_path / 'cache'}",
-            "data.max_source_bytes=500000",
+            f"data.cache_dir={data_cache}",
+            "data.max_source_bytes=2000000",
             "trainer.max_steps=100000",
             "trainer.enable_progress_bar=false",
             "checkpoint.every_n_steps=0",
             "fault=none",
+            "timeline=false",
+            "data.seq_len=32",
+            *overrides,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -41,6 +46,17 @@ def start_long_run(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[psutil
     return proc, ranks
 
 
+def wait_for_spare(launcher: subprocess.Popen[bytes], timeout: float = 120) -> psutil.Process:
+    """The warm spare the agent starts once the ranks train (tier 4, the default: one spare)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            if "ckless_lightning.spare" in " ".join(child.cmdline()):
+                return child
+        assert time.monotonic() < deadline, "no warm spare within the timeout"
+        time.sleep(0.2)
+
+
 def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     for p in alive:
@@ -49,8 +65,8 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_stops_every_rank(tmp_path):
-    proc, ranks = start_long_run(tmp_path)
+def test_sigterm_stops_every_rank(tmp_path, data_cache):
+    proc, ranks = start_long_run(tmp_path, data_cache)
     try:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
@@ -60,9 +76,16 @@ def test_sigterm_stops_every_rank(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_killed_launcher_takes_its_ranks_along(tmp_path):
-    proc, ranks = start_long_run(tmp_path)
+def test_killed_launcher_takes_its_ranks_along(tmp_path, data_cache):
+    """Cold ranks and a cold warm spare (no fork server: each a ``python -m`` process of its own,
+    the path the other jobs of the tests do not take) die with a SIGKILLed launcher."""
+    proc, ranks = start_long_run(tmp_path, data_cache, "agent.fork_server=false")
+    commands = [" ".join(p.cmdline()) for p in ranks]
+    assert sum("ckless_lightning.rank" in c for c in commands) == 4, commands
     try:
+        spare = wait_for_spare(proc)
+        ranks.append(spare)
+        assert "ckless_lightning.spare" in " ".join(spare.cmdline())
         proc.kill()
         proc.wait(timeout=30)
         assert_all_gone(ranks)

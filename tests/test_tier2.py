@@ -8,7 +8,6 @@ fault-free run (the last record of a step wins, as a replayed step overwrites).
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -52,57 +51,106 @@ def cache_overrides(base: Path) -> tuple[str, ...]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fault", ["kill", "exception"])
-def test_rank_fault_reads_the_same_samples(tmp_path, data_cache, reference, fault):
+@pytest.mark.parametrize(
+    ("fault", "window"),
+    [
+        # The default window (prefetch 8, lookback 4): step 5's batch is still cached at the restart.
+        ("exception", ()),
+        # prefetch 2, lookback 0: the resumed step 5 is long gone from the cache when step 8 fails,
+        # so the reader refills it.
+        ("kill", ("data.prefetch=2", "data.lookback=0")),
+    ],
+)
+def test_rank_fault_reads_the_same_samples(tmp_path, data_cache, reference, fault, window):
     run, base = tmp_path / "run", tmp_path / "shm"
     launch_job(
-        run, data_cache, *COMMON, *cache_overrides(base), f"fault={fault}", "fault.rank=2", "fault.step=8"
+        run,
+        data_cache,
+        *COMMON,
+        *cache_overrides(base),
+        *window,
+        f"fault={fault}",
+        "fault.rank=2",
+        "fault.step=8",
     )
     assert_same_training(run, reference, tmp_path)
     assert [e["kind"] for e in read_events(run / "events.jsonl")].count("reader_started") == 1
     assert not list(base.iterdir()), "the batch cache outlived the job"
 
 
-@pytest.mark.timeout(600)
-def test_restart_outside_the_window_refills(tmp_path, data_cache, reference):
-    """prefetch 2, lookback 0: the resumed step 5 is long gone from the cache when step 8 fails."""
-    run, base = tmp_path / "run", tmp_path / "shm"
-    overrides = ("data.prefetch=2", "data.lookback=0", "fault=kill", "fault.rank=1", "fault.step=8")
-    launch_job(run, data_cache, *COMMON, *cache_overrides(base), *overrides)
-    assert_same_training(run, reference, tmp_path)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("sig", ["KILL", "STOP"])
-def test_reader_killed_or_stopped_mid_run_is_restarted(tmp_path, data_cache, reference, sig):
-    """A dead reader is restarted; so is a stopped one (killed first, found within a second or two)."""
-    run, base = tmp_path / "run", tmp_path / "shm"
-    job = subprocess.Popen(
-        launch_command(run, data_cache, *COMMON, *cache_overrides(base)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+@pytest.fixture(scope="module")
+def two_jobs_reader_signalled(tmp_path_factory, data_cache) -> tuple[dict[str, Path], Path, dict[str, float]]:
+    """Two jobs at once on one node with one cache base: job KILL's reader gets SIGKILL and job
+    STOP's SIGSTOP once each job trained 4 steps. Returns their run dirs, the base, and when each
+    reader was signalled."""
+    tmp = tmp_path_factory.mktemp("two_jobs")
+    base = tmp / "shm"
+    runs = {sig: tmp / sig.lower() for sig in ("KILL", "STOP")}
+    jobs = {
+        sig: subprocess.Popen(
+            launch_command(run, data_cache, *COMMON, *cache_overrides(base)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for sig, run in runs.items()
+    }
+    signalled: dict[str, float] = {}
     try:
-        deadline = time.monotonic() + 180
-        while not (run / "losses.jsonl").exists() or len(read_losses(run / "losses.jsonl")) < 4:
-            assert job.poll() is None and time.monotonic() < deadline, "training did not reach step 4"
-            time.sleep(0.2)
-        (started,) = [e for e in read_events(run / "events.jsonl") if e["kind"] == "reader_started"]
-        signalled = time.time()
-        subprocess.run(["kill", f"-{sig}", str(started["pid"])], check=True)
-        _, stderr = job.communicate(timeout=240)
-        assert job.returncode == 0, stderr[-3000:]
+        deadline = time.monotonic() + 240
+        while len(signalled) < len(jobs):
+            for sig, run in runs.items():
+                if sig in signalled or not (run / "losses.jsonl").exists():
+                    continue
+                if len(read_losses(run / "losses.jsonl")) >= 4:
+                    (started,) = [
+                        e for e in read_events(run / "events.jsonl") if e["kind"] == "reader_started"
+                    ]
+                    signalled[sig] = time.time()
+                    subprocess.run(["kill", f"-{sig}", str(started["pid"])], check=True)
+            assert all(job.poll() is None for job in jobs.values()), (
+                "a job ended before its reader was signalled"
+            )
+            assert time.monotonic() < deadline, (
+                f"training did not reach step 4: signalled {sorted(signalled)}"
+            )
+            time.sleep(0.1)
+        results = {sig: job.communicate(timeout=300) for sig, job in jobs.items()}
     finally:
-        job.kill()
-    events = read_events(run / "events.jsonl")
+        for job in jobs.values():
+            job.kill()
+            job.wait()
+    assert [job.returncode for job in jobs.values()] == [0, 0], [err[-2000:] for _, err in results.values()]
+    return runs, base, signalled
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_reader_killed_or_stopped_mid_run_is_restarted(two_jobs_reader_signalled, reference, tmp_path, sig):
+    """A dead reader is restarted; so is a stopped one (killed first, found within a second or two)."""
+    runs, _, signalled = two_jobs_reader_signalled
+    events = read_events(runs[sig] / "events.jsonl")
     kinds = [e["kind"] for e in events]
     assert kinds.count("reader_started") == 2
     (restarted,) = [e for e in events if e["kind"] == "reader_restarted"]
     assert restarted["stopped"] is (sig == "STOP")
-    assert restarted["t"] - signalled <= 2.0, "the agent took too long to notice the reader"
-    assert_same_training(run, reference, tmp_path)
-    assert not list(base.iterdir())
+    assert restarted["t"] - signalled[sig] <= 2.0, "the agent took too long to notice the reader"
+    assert_same_training(runs[sig], reference, tmp_path)
+
+
+@pytest.mark.timeout(900)
+def test_two_concurrent_jobs_have_separate_caches(two_jobs_reader_signalled):
+    """The two jobs above ran at once with one cache base: each had its own cache directory (and
+    restarted its own reader into it), and neither left it behind."""
+    runs, base, _ = two_jobs_reader_signalled
+    roots = [
+        {e["root"] for e in read_events(run / "events.jsonl") if e["kind"] == "reader_started"}
+        for run in runs.values()
+    ]
+    assert all(len(r) == 1 for r in roots), roots
+    (a,), (b,) = roots
+    assert a != b and Path(a).parent != Path(b).parent
+    assert not list(base.iterdir()), "a job's batch cache was left behind"
 
 
 @pytest.mark.timeout(600)
@@ -133,32 +181,3 @@ def test_a_wedged_reader_is_restarted_after_its_timeout_and_no_rank_is_blamed(
     assert not [e for e in events if e["kind"] in ("fault_detected", "generation")]
     assert_same_training(run, reference, tmp_path)
     assert not list(base.iterdir())
-
-
-@pytest.mark.timeout(900)
-def test_two_concurrent_jobs_have_separate_caches(tmp_path, data_cache, reference):
-    base = tmp_path / "shm"
-    runs = [tmp_path / "a", tmp_path / "b"]
-    jobs = [
-        subprocess.Popen(
-            launch_command(run, data_cache, *COMMON, *cache_overrides(base)),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for run in runs
-    ]
-    try:
-        results = [job.communicate(timeout=400) for job in jobs]
-    finally:
-        for job in jobs:
-            job.send_signal(signal.SIGKILL)
-    assert [job.returncode for job in jobs] == [0, 0], [err[-2000:] for _, err in results]
-    roots = [
-        next(e["root"] for e in read_events(run / "events.jsonl") if e["kind"] == "reader_started")
-        for run in runs
-    ]
-    assert roots[0] != roots[1] and Path(roots[0]).parent != Path(roots[1]).parent
-    for run in runs:
-        assert_same_training(run, reference, tmp_path)
-    assert not list(base.iterdir()), "a job's batch cache was left behind"

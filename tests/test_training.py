@@ -1,4 +1,4 @@
-"""End to end on 4 CPU ranks through launch.py: determinism and checkpoint-resume, compared bitwise."""
+"""End to end on 4 CPU ranks through launch.py: checkpoint-resume (and so determinism), compared bitwise."""
 
 from __future__ import annotations
 
@@ -16,23 +16,10 @@ def train(run_dir: Path, data_cache: Path, *overrides: str):
     return launch_job(run_dir, data_cache, *overrides)
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("recipe", ["llama3_tiny"])
-def test_two_identical_runs_are_bitwise_equal(tmp_path, data_cache, recipe):
-    runs = [tmp_path / "a", tmp_path / "b"]
-    for run in runs:
-        train(run, data_cache, f"recipe={recipe}", "trainer.max_steps=6", "checkpoint.every_n_steps=0")
-    losses = [read_losses(run / "losses.jsonl") for run in runs]
-    assert sorted(losses[0]) == list(range(1, 7))
-    assert losses[0] == losses[1]
-    finals = [load_full_checkpoint(run / "checkpoints" / checkpoint_name(6), tmp_path) for run in runs]
-    assert finals[0]["state_dict"], "no weights in the checkpoint"
-    assert finals[0]["optimizer_0"]["state"], "no optimizer state in the checkpoint"
-    assert assert_bitwise_equal(finals[0], finals[1]) > 800_000
-
-
 @pytest.mark.timeout(600)
 def test_resume_from_step_10_equals_uninterrupted_20_steps(tmp_path, data_cache):
+    """Also determinism: the split run is separate processes (twice), so equal weights, optimizer
+    state and losses mean two runs of one config are bitwise equal (every fault test relies on it)."""
     common = ("trainer.max_steps=20", "checkpoint.every_n_steps=10")
     whole, split = tmp_path / "whole", tmp_path / "split"
     train(whole, data_cache, *common)
@@ -47,4 +34,6 @@ def test_resume_from_step_10_equals_uninterrupted_20_steps(tmp_path, data_cache)
     assert split_losses == whole_losses
     a = load_full_checkpoint(whole / "checkpoints" / checkpoint_name(20), tmp_path)
     b = load_full_checkpoint(split / "checkpoints" / checkpoint_name(20), tmp_path)
-    assert_bitwise_equal(a, b)
+    assert a["state_dict"], "no weights in the checkpoint"
+    assert a["optimizer_0"]["state"], "no optimizer state in the checkpoint"
+    assert assert_bitwise_equal(a, b) > 800_000  # elements compared: weights and AdamW state
