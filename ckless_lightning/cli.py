@@ -29,7 +29,36 @@ def _error(kind: str, err: BaseException) -> None:
 
 
 def run_job(cfg: DictConfig) -> int:
-    # Validation imports no torch (about a second): a bad value is reported before anything starts.
+    fork_server = _start_fork_server(cfg)
+    try:
+        return _run_job(cfg, fork_server)
+    finally:
+        if fork_server is not None:
+            fork_server.close()
+
+
+def _start_fork_server(cfg: DictConfig) -> ForkServer | None:
+    """With ``agent.fork_server`` (and not a dry run), start it now, from the composed config: its
+    imports of torch and Lightning run while this process validates, plans and prepares the data.
+    None when it is off, or when ``run_dir`` cannot be created (validation reports that)."""
+    if not OmegaConf.select(cfg, "agent.fork_server", default=True) or OmegaConf.select(
+        cfg, "dry_run", default=False
+    ):
+        return None
+    from ckless_lightning.agent.fork_server import ForkServer
+
+    node = OmegaConf.select(cfg, "cluster.node_rank", default=0)
+    try:
+        log_dir = Path(str(cfg.run_dir)) / "rank_logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError):
+        return None
+    server = ForkServer(log_dir / f"forkserver{node}.log")
+    server.start()
+    return server
+
+
+def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
     from ckless_lightning.runtime.config import job_config_from_dict
 
     try:
@@ -38,33 +67,7 @@ def run_job(cfg: DictConfig) -> int:
     except ValueError as err:
         _error("config error", err)
         return ExitCode.CONFIG
-    fork_server = _start_fork_server(job)
-    try:
-        return _run_job(job, container, fork_server)
-    finally:
-        if fork_server is not None:
-            fork_server.close()
 
-
-def _start_fork_server(job: Any) -> ForkServer | None:
-    """With ``agent.fork_server`` (and not a dry run), start it now, once the config is valid: its
-    imports of torch and Lightning run while this process plans, prepares the data and starts the
-    store. None when it is off, or when ``run_dir`` cannot be created (reported next)."""
-    if not job.agent.fork_server or job.dry_run:
-        return None
-    from ckless_lightning.agent.fork_server import ForkServer
-
-    try:
-        log_dir = Path(job.run_dir) / "rank_logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    server = ForkServer(log_dir / f"forkserver{job.cluster.node_rank}.log")
-    server.start()
-    return server
-
-
-def _run_job(job: Any, container: dict[str, Any], fork_server: ForkServer | None) -> int:
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     # Nodes of one job may share the run directory: node 0 owns config.yaml.

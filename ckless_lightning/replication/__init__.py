@@ -7,48 +7,25 @@ CPU with gloo, apart from the Lightning strategy that drives them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from ckless_lightning.replication.snapshots import FlatBuffer, Snapshot, SnapshotCopies
 from ckless_lightning.replication.source_map import (
     RankReport,
     SourceMap,
-    Transfer,
     buddy_rank,
     buddy_sources,
     buddy_survives_node_loss,
     default_buddy_offset,
     hsdp_sources,
 )
-from ckless_lightning.runtime.lazy import lazy_attributes
-
-if TYPE_CHECKING:
-    from ckless_lightning.replication.snapshots import FlatBuffer, Snapshot, SnapshotCopies
-    from ckless_lightning.replication.transfer import (
-        DEFAULT_BUCKET_BYTES,
-        BucketLayout,
-        TransferError,
-        checksum,
-        transfer_bytes,
-        transfer_tensors,
-    )
-
-# Loaded on first use (they import torch): the config's checks use only the pure planner.
-_LAZY = {
-    **dict.fromkeys(("FlatBuffer", "Snapshot", "SnapshotCopies"), "snapshots"),
-    **dict.fromkeys(
-        (
-            "DEFAULT_BUCKET_BYTES",
-            "BucketLayout",
-            "TransferError",
-            "checksum",
-            "transfer_bytes",
-            "transfer_tensors",
-        ),
-        "transfer",
-    ),
-}
-__getattr__ = lazy_attributes(__name__, _LAZY)
-
+from ckless_lightning.replication.transfer import (
+    DEFAULT_BUCKET_BYTES,
+    BucketLayout,
+    Transfer,
+    TransferError,
+    checksum,
+    transfer_bytes,
+    transfer_tensors,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -75,7 +75,7 @@ class ClusterConfig:
             )
         if self.accelerator not in _ACCELERATORS:
             raise ValueError(f"cluster.accelerator must be one of {_ACCELERATORS}, got {self.accelerator!r}")
-        from ckless_lightning.models.mesh import resolve_mesh
+        from ckless_lightning.models.mesh import resolve_mesh  # torch: imported when a config is built
 
         self.replicate, self.shard = resolve_mesh(
             self.world_size,
