@@ -358,7 +358,7 @@ class SparePool:
         if self._fork_server is not None and self._fork_server.is_ready:
             forked = self._fork_server.fork(launcher_env(), self._fork_argv, spare=True)
             if forked is not None:
-                self._add_forked(forked)
+                self._add(forked, None)  # prepared already (the server's imports): ready at once
                 return
         proc, read_fd = start_with_ready_pipe(
             self._command,
@@ -367,31 +367,25 @@ class SparePool:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        with self._lock:
-            self._starting -= 1
-            closed = self._closed
-            if not closed:
-                self._spares.append(proc)
-                self._ready_fds[proc.pid] = read_fd
-        if closed:  # close() ran while it started
-            os.close(read_fd)
-            signal_session(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return
-        if self.events is not None:
-            self.events.emit("spare_started", pid=proc.pid)
+        self._add(proc, read_fd)
 
-    def _add_forked(self, proc: ForkedProcess) -> None:
-        """Pool a spare forked by the fork server: prepared already, so ready at once."""
+    def _add(self, proc: Spare, read_fd: int | None) -> None:
+        """Pool a spare just started: cold with the read end of its ready pipe, or forked (``None``:
+        ready at once); kill it instead if :meth:`close` ran meanwhile."""
         with self._lock:
             self._starting -= 1
             closed = self._closed
             if not closed:
                 self._spares.append(proc)
-                self._ready.add(proc.pid)
+                if read_fd is None:
+                    self._ready.add(proc.pid)
+                else:
+                    self._ready_fds[proc.pid] = read_fd
         if closed:
+            if read_fd is not None:
+                os.close(read_fd)
             signal_session(proc.pid, signal.SIGKILL)
             proc.wait()
             return
         if self.events is not None:
-            self.events.emit("spare_started", pid=proc.pid, forked=True)
+            self.events.emit("spare_started", pid=proc.pid, **({"forked": True} if read_fd is None else {}))
