@@ -25,9 +25,12 @@ sys.argv[1:] = [re.sub(r"^(tier)=(\d+)$", r"\1='\2'", arg) for arg in sys.argv[1
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from ckless_lightning.cli import run_job
 
-    code = run_job(cfg)
+    explicit = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    code = run_job(cfg, env=os.environ, explicit=explicit)
     if code:
         sys.exit(code)
 

@@ -24,15 +24,16 @@ from pathlib import Path
 
 import torch
 
+SECRET = "test-job-secret-0123456789"  # the job store's secret, handed to the ranks
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ckless_lightning.comm import connect_store  # noqa: E402
+from ckless_lightning.comm import JobStore  # noqa: E402
 from ckless_lightning.replication import BucketLayout, checksum  # noqa: E402
 
 
 def run_job(out: Path, world: int, fault_step: int) -> float:
-    store = connect_store("127.0.0.1", 0, is_master=True)
+    store = JobStore.host("127.0.0.1", 0, secret=SECRET)
     start = time.perf_counter()
     procs = []
     for rank in range(world):
@@ -48,6 +49,7 @@ def run_job(out: Path, world: int, fault_step: int) -> float:
             "MASTER_PORT": str(store.port),
             "CKLESS_STORE_ADDR": "127.0.0.1",
             "CKLESS_STORE_PORT": str(store.port),
+            "CKLESS_JOB_SECRET": SECRET,
             "CKLESS_GENERATION": "0",
         }
         cmd = [

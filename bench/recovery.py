@@ -2,7 +2,7 @@
 of this script.
 
     python bench/recovery.py [--recipe llama3_tiny] [--steps 30] [--every 10] [--fault-step 25]
-                             [--skip-torchrun]
+                             [--skip-torchrun] [--skip-two-nodes] [--node-timeout 5]
 
 Every fault row trains the same recipe on 4 local ranks with a checkpoint every
 ``--every`` steps and one SIGKILL of rank 1 in the forward of step
@@ -17,6 +17,9 @@ Every fault row trains the same recipe on 4 local ranks with a checkpoint every
 - tier 3: in-process recovery: survivors keep their process, a warm spare
   replaces the killed rank (``agent.spares=1``), every rank reloads the last
   disk checkpoint;
+- 2 nodes: spare agent / requeue: two agents of 2 ranks at tier 1, node 1's agent and ranks
+  killed; a standby agent takes its place, or the job exits 75 and starts again from its
+  checkpoint (``bench/two_nodes.py``; ``--skip-two-nodes`` leaves them out);
 - tier 4 buddy / hsdp: no disk reload: the replaced rank's state comes from a
   peer's memory, a buddy's host copy (FSDP over 4 ranks) or its HSDP replica
   (``cluster.replicate=2``: 2 replicas x 2 shards; HSDP's losses differ from
@@ -38,7 +41,8 @@ that still fails says why.
 
 Then, from three more runs without a fault (tier 0, tier 3, tier 4 buddy) and
 two micro-benchmarks, the figures after the table: the commit vote's share of
-the step, tier 4's steady-state step-time overhead, the extra memory per rank
+the step, tier 4's steady-state step-time overhead, the state digest's cost per
+step (from the HSDP row's votes), the extra memory per rank
 of each tier 4 source, the peer-to-peer transfer against memcpy
 (``bench/p2p_transfer.py``), and tier 4 against the recovery targets. The
 machine is shared and noisy: compare rows and figures of one run.
@@ -64,6 +68,9 @@ from ckless_lightning.record.events import EventLog, read_events
 from ckless_lightning.record.loss_log import read_loss_records
 from ckless_lightning.record.summary import FaultRecovery, JobSummary, summarize
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from two_nodes import two_node_rows  # bench/ is not a package
+
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
 
@@ -82,6 +89,12 @@ CLEAN_RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("clean-tier4b", ("tier=4", "replication.source=buddy")),
     ("clean-tier3", ("tier=3",)),
 )
+
+
+def two_node_overrides(args: argparse.Namespace) -> list[str]:
+    """The two-node rows' job: node 1 lost (agent and ranks) at the fault step."""
+    node_loss = ["fault=node_loss", "fault.node=1", f"fault.step={args.fault_step}"]
+    return [*job_overrides(args, fault=False)[:-1], *node_loss]
 
 
 def job_overrides(args: argparse.Namespace, *, fault: bool = True) -> list[str]:
@@ -376,6 +389,23 @@ def figure_overhead(t0: Run, t4: Run) -> list[str]:
     return out
 
 
+def figure_digest(t0: Run, hsdp: Run) -> list[str]:
+    """The state digest's cost per step (the HSDP run: the only one with replicas to compare)."""
+    every = None if hsdp.error else _resolved(hsdp, "replication", "digest_every")
+    out = [f"2b. State digest in the commit vote (tier 4 hsdp 2x2, replication.digest_every={every}):"]
+    if t0.error or hsdp.error:
+        return [*out, f"   n/a: {t0.error or hsdp.error}"]
+    base, digest = t0.summary().step_time_s, per_step(hsdp, "digest_s", "digests")
+    if base is None or digest is None:
+        return [*out, "   n/a: no median step or no digests (replication.digest_every=0?)"]
+    count = sum(e["digests"] for e in hsdp.of("commit_votes"))
+    out.append(
+        f"   {1e3 * digest:.3f} ms per step per rank ({count} digests) = {pct(digest, base)} of tier 0's "
+        f"median step ({base:.3f} s); target <= 1%"
+    )
+    return out
+
+
 def plan_of(run: Run) -> Any:
     """``memory_plan.plan_job`` of the run's resolved config (per-rank shard sizes)."""
     from omegaconf import OmegaConf
@@ -544,6 +574,10 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=25)
     parser.add_argument("--torchrun-timeout", type=float, default=180.0)
     parser.add_argument("--skip-torchrun", action="store_true", help="leave the torchrun row out (~90 s)")
+    parser.add_argument("--skip-two-nodes", action="store_true", help="leave the two-node rows out (~2 min)")
+    parser.add_argument(
+        "--node-timeout", type=float, default=5.0, help="agent.node_timeout of the two-node rows"
+    )
     args = parser.parse_args()
 
     started = time.monotonic()
@@ -556,6 +590,8 @@ def main() -> None:
         for name, key, extra in FAULT_ROWS:
             run = runs[key] = launch(work / key, args, *extra)
             rows.append((name, run.error if run.error else only_fault(run.run_dir)))
+        if not args.skip_two_nodes:
+            rows.extend(two_node_rows(work, two_node_overrides(args), node_timeout=args.node_timeout))
         for key, extra in CLEAN_RUNS:
             runs[key] = launch(work / key, args, *extra, fault=False)
 
@@ -566,6 +602,7 @@ def main() -> None:
         figures = [
             figure_vote(runs["clean-tier0"], runs["clean-tier3"]),
             figure_overhead(runs["clean-tier0"], runs["clean-tier4b"]),
+            figure_digest(runs["clean-tier0"], runs["tier4h"]),
             memory,
             figure_p2p(state_bytes, by_name.get("tier 4 buddy", "n/a")),
             figure_targets(by_name, runs, not args.skip_torchrun),
@@ -577,6 +614,13 @@ def main() -> None:
         f"of step {args.fault_step}; seconds. {args.steps} steps per run; runs without a fault: tier 0, "
         "tier 4 buddy, tier 3."
     )
+    if not args.skip_two_nodes:
+        print(
+            "2 nodes: 2 agents x 2 ranks at tier 1 (bench/two_nodes.py), node 1's agent and ranks "
+            f"SIGKILLed at step {args.fault_step}, agent.node_timeout={args.node_timeout:g} s; a standby "
+            "agent takes node 1, or node 0 exits 75 and both agents start again, resuming from the "
+            "checkpoint (the scheduler's own requeue latency not included)."
+        )
     for lines in figures:
         print()
         print("\n".join(lines))

@@ -8,9 +8,12 @@ machine; 75 the fault budget is spent (requeue); 130/143 interrupted.
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
+import socket
 import sys
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,7 @@ from ckless_lightning.runtime.contract import ExitCode
 
 if TYPE_CHECKING:
     from ckless_lightning.agent.fork_server import ForkServer
+    from ckless_lightning.runtime.config import JobConfig
 
 __all__ = ["run_job"]
 
@@ -28,26 +32,59 @@ def _error(kind: str, err: BaseException) -> None:
     print(f"{kind}: {err}", file=sys.stderr)
 
 
-def run_job(cfg: DictConfig) -> int:
+def run_job(cfg: DictConfig, *, env: Mapping[str, str] | None = None, explicit: Collection[str] = ()) -> int:
+    """Run the job ``cfg`` describes on this node; returns the exit code.
+
+    ``env``: the launcher's environment (a scheduler's variables, the job store's secret;
+    ``launch.py`` passes ``os.environ``); ``explicit``: the keys set on the command line, which
+    a scheduler's values never override.
+    """
+    env = {} if env is None else env
+    try:
+        _place_from_scheduler(cfg, env, explicit)
+    except ValueError as err:
+        _error("config error", err)
+        return ExitCode.CONFIG
     fork_server = _start_fork_server(cfg)
     try:
-        return _run_job(cfg, fork_server)
+        return _run_job(cfg, fork_server, env)
     finally:
         if fork_server is not None:
             fork_server.close()
 
 
+def _place_from_scheduler(cfg: DictConfig, env: Mapping[str, str], explicit: Collection[str]) -> None:
+    """Fill ``cluster.node_rank``/``nnodes``/``master_addr``/``master_port`` from Slurm (see
+    :mod:`ckless_lightning.runtime.launcher`) and say so."""
+    from ckless_lightning.runtime.launcher import place_from_scheduler
+
+    cluster = OmegaConf.select(cfg, "cluster")
+    if cluster is None:
+        return
+    changes = place_from_scheduler(OmegaConf.to_container(cluster, resolve=True), env, explicit=explicit)
+    for key, value in changes.items():
+        OmegaConf.update(cfg, f"cluster.{key}", value)
+    if changes:
+        placed = " ".join(f"cluster.{k}={v}" for k, v in changes.items())
+        print(f"slurm: {placed} (from SLURM_*; cluster.launcher=manual to turn off)")
+
+
 def _start_fork_server(cfg: DictConfig) -> ForkServer | None:
-    """With ``agent.fork_server`` (and not a dry run), start it now, from the composed config: its
-    imports of torch and Lightning run while this process validates, plans and prepares the data.
-    None when it is off, or when ``run_dir`` cannot be created (validation reports that)."""
+    """With ``agent.fork_server`` (and not a dry run or a ``k8s.render``), start it now, from the
+    composed config: its imports of torch and Lightning run while this process validates, plans and
+    prepares the data. None when it is off, or when ``run_dir`` cannot be created (validation
+    reports that)."""
     if not OmegaConf.select(cfg, "agent.fork_server", default=True) or OmegaConf.select(
         cfg, "dry_run", default=False
     ):
         return None
+    if OmegaConf.select(cfg, "k8s.render", default=None):
+        return None  # only manifests are written
     from ckless_lightning.agent.fork_server import ForkServer
 
     node = OmegaConf.select(cfg, "cluster.node_rank", default=0)
+    if OmegaConf.select(cfg, "cluster.standby", default=False):
+        node = f".standby{os.getpid()}"  # a node number only once it takes a node over
     try:
         log_dir = Path(str(cfg.run_dir)) / "rank_logs"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +95,8 @@ def _start_fork_server(cfg: DictConfig) -> ForkServer | None:
     return server
 
 
-def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
+def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, str]) -> int:
+    from ckless_lightning.comm.secret import job_secret
     from ckless_lightning.runtime.config import job_config_from_dict
 
     try:
@@ -73,6 +111,8 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
     # Nodes of one job may share the run directory: node 0 owns config.yaml.
     node = job.cluster.node_rank
     config_path = run_dir / ("config.yaml" if node == 0 else f"config.node{node}.yaml")
+    if job.cluster.standby:
+        config_path = run_dir / f"config.standby{os.getpid()}.yaml"
     OmegaConf.save(OmegaConf.create(container), config_path)
 
     from ckless_lightning.runtime.memory_plan import (
@@ -93,6 +133,8 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
             f"-m ckless_lightning.rank --config {shlex.quote(str(config_path))}"
         )
         return 0
+    if job.k8s.render:
+        return _render_k8s(job, container, plan)
 
     available, source = available_bytes_per_rank(job.cluster.accelerator, job.cluster.nproc_per_node)
     gpu = state_on_gpu(job.cluster.accelerator)
@@ -109,6 +151,7 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
 
     try:
         resolve_accelerator(job.cluster.accelerator)
+        _check_bitflip_tensors(job)
         prepared = prepare_dataset(job.data)
         global_batch = job.data.micro_batch_size * job.cluster.world_size
         if prepared.num_samples < global_batch:
@@ -118,6 +161,15 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
                 f"fewer than one step needs ({global_batch}); give more data or lower data.seq_len"
             )
         resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
+        # A one-node job whose agent hosts the store makes its secret; other agents must be given it.
+        alone = job.cluster.nnodes == 1 and job.cluster.store is None
+        secret = job_secret(
+            env,
+            may_generate=alone,
+            why_needed=f"cluster.nnodes={job.cluster.nnodes}"
+            if job.cluster.store is None
+            else f"cluster.store={job.cluster.store}",
+        )
     except (ValueError, FileNotFoundError) as err:
         _error("config error", err)
         return ExitCode.CONFIG
@@ -125,13 +177,70 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None) -> int:
     print(plan.format())
     print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
     print(f"resuming from {resume}" if resume else "starting from step 0")
-    code = _run_agent(job, config_path, prepared.path, checkpoint_step(resume) if resume else 0, fork_server)
+    if job.cluster.standby:
+        taken = _stand_by(job, container, run_dir, secret)
+        if taken is None:
+            return 0
+        job, config_path = taken
+        resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
+    start_step = checkpoint_step(resume) if resume else 0
+    code = _run_agent(job, config_path, prepared.path, start_step, fork_server, secret)
     _report(job, run_dir, code)
     return code
 
 
+def _stand_by(job: Any, container: dict[str, Any], run_dir: Path, secret: str) -> tuple[Any, Path] | None:
+    """``cluster.standby``: wait, prepared, until a node goes silent, then become its agent: the job
+    as that node's (and its config file), or None when the job ended without needing this one."""
+    from ckless_lightning.agent.standby import stand_by
+    from ckless_lightning.runtime.config import job_config_from_dict
+
+    host, port = job.cluster.store_address
+    print(f"standing by: taking the place of any of the {job.cluster.nnodes} nodes that goes silent")
+    node = stand_by(
+        host,
+        port,
+        secret=secret,
+        nnodes=job.cluster.nnodes,
+        node_timeout_s=job.agent.node_timeout,
+        agent_id=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    if node is None:
+        print("standby: the job ended without needing this agent")
+        return None
+    print(f"standby: node {node} went silent; this agent takes its place")
+    container["cluster"] = {**container["cluster"], "node_rank": node, "standby": False}
+    config_path = run_dir / f"config.node{node}.standby{os.getpid()}.yaml"
+    OmegaConf.save(OmegaConf.create(container), config_path)
+    return job_config_from_dict(container), config_path
+
+
+def _render_k8s(job: Any, container: dict[str, Any], plan: Any) -> int:
+    """``k8s.render=DIR``: write the job's Kubernetes manifests to DIR; no rank starts, no data is read."""
+    from ckless_lightning.deploy.k8s import render_manifests, render_notes
+
+    out_dir = Path(job.k8s.render).expanduser()
+    try:
+        written = render_manifests(job, container, out_dir, plan=plan)
+    except (ValueError, OSError) as err:  # OSError: k8s.render cannot be written
+        _error("config error", err)
+        return ExitCode.CONFIG
+    print(plan.format())
+    for path in written:
+        print(f"wrote {path}")
+    for note in render_notes(job):
+        print(f"note: {note}")
+    print(f"to start the job: kubectl apply -f {shlex.quote(str(out_dir))}")
+    return 0
+
+
 def _run_agent(
-    job: Any, config_path: Path, prepared_path: Path, start_step: int, fork_server: ForkServer | None
+    job: Any,
+    config_path: Path,
+    prepared_path: Path,
+    start_step: int,
+    fork_server: ForkServer | None,
+    secret: str,
 ) -> int:
     from ckless_lightning.agent.node_agent import NodeAgent
 
@@ -141,7 +250,12 @@ def _run_agent(
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return NodeAgent(
-            job, config_path, prepared_path=prepared_path, start_step=start_step or 0, fork_server=fork_server
+            job,
+            config_path,
+            prepared_path=prepared_path,
+            secret=secret,
+            start_step=start_step or 0,
+            fork_server=fork_server,
         ).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -200,3 +314,23 @@ def _draw_timeline(run_dir: Path) -> Path | None:
     except (ImportError, ValueError, OSError) as err:
         print(f"warning: no timeline picture ({type(err).__name__}: {err})", file=sys.stderr)
         return None
+
+
+def _check_bitflip_tensors(job: JobConfig) -> None:
+    """A ``bitflip`` fault's ``tensor`` names a parameter of the model (built on the meta device), so
+    that a typo fails here rather than inside a rank in the middle of training."""
+    wanted = {f.tensor for f in job.fault_entries() if f.type == "bitflip" and f.tensor is not None}
+    if not wanted:
+        return
+    import torch
+
+    from ckless_lightning.models import build_model
+
+    with torch.device("meta"):
+        names = sorted(name for name, _ in build_model(job.model).named_parameters())
+    unknown = sorted(wanted - set(names))
+    if unknown:
+        raise ValueError(
+            f"fault.tensor={unknown[0]!r} is not a parameter of {job.recipe}'s model; some are: "
+            f"{', '.join(names[:6])}, ...; fault.tensor=null takes the first by name"
+        )

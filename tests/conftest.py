@@ -105,6 +105,8 @@ SLOWEST_FILES = (
     "test_tier3.py",
     "test_tier2.py",
     "test_models_sharded.py",
+    "test_slurm.py",
+    "test_state_digest.py",
     "test_faults.py",
     "test_cli.py",
     "test_launcher_cleanup.py",

@@ -8,9 +8,11 @@ bit, as the fault-free reference.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from ckless_lightning.agent.processes import failure_report
 from ckless_lightning.record.events import read_events
 
 STEPS = 12
+JOB_SECRET = "two-node-test-secret-0123456789"
 COMMON = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=5", "agent.hang_timeout=8")
 
 
@@ -155,12 +158,19 @@ def test_fault_budget_spent_exits_75_and_leaves_nothing(tmp_path, data_cache):
 
 
 def start_node(run: Path, data_cache: Path, node: int, port: int, *overrides: str) -> subprocess.Popen[str]:
-    two_nodes = ("cluster.nnodes=2", "cluster.nproc_per_node=2", f"cluster.node_rank={node}")
+    # Node 0's agent hosts the store on 127.0.0.2, not 127.0.0.1: a wrong address or bind shows.
+    two_nodes = (
+        "cluster.nnodes=2",
+        "cluster.nproc_per_node=2",
+        f"cluster.node_rank={node}",
+        "cluster.master_addr=127.0.0.2",
+    )
     return subprocess.Popen(
         launch_command(run, data_cache, *two_nodes, f"cluster.master_port={port}", *COMMON, *overrides),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "CKLESS_JOB_SECRET": JOB_SECRET},  # the nodes of one job share it
     )
 
 
@@ -203,6 +213,97 @@ def test_two_nodes_node1_lost_and_replaced(tmp_path, data_cache, reference):
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
     assert_same_training(run, reference, tmp_path)
     assert events_of(run, "fault_injected")[0]["fault_type"] == "node_loss"
+    assert not job_processes(run)
+
+
+@pytest.mark.timeout(600)
+def test_node1_lost_and_taken_over_by_a_standby_agent(tmp_path, data_cache, reference):
+    """A third agent stands by (cluster.standby=true); node 1 is lost at step 8 and the standby
+    takes its place within agent.node_timeout: no requeue, no replacement started by hand."""
+    run, port = tmp_path / "run", free_port()
+    overrides = ("tier=1", "fault=node_loss", "fault.node=1", "fault.step=8", "agent.node_timeout=4")
+    nodes = [start_node(run, data_cache, n, port, *overrides) for n in (0, 1)]
+    standby = start_node(run, data_cache, 0, port, *overrides, "cluster.standby=true")
+    try:
+        (code0, out0), (code1, _), (code_s, out_s) = [finish(p) for p in (*nodes, standby)]
+    finally:
+        for p in (*nodes, standby):
+            p.kill()
+    assert code1 == -signal.SIGKILL
+    assert (code0, code_s) == (0, 0), out0[-3000:] + out_s[-3000:]
+    assert "standby: node 1 went silent; this agent takes its place" in out_s
+    assert_same_training(run, reference, tmp_path)
+    node1_pids = [e["pids"] for e in events_of(run, "ranks_started") if e["node"] == 1]
+    assert len(node1_pids) == 2 and not set(node1_pids[0]) & set(node1_pids[1])
+    assert len(events_of(run, "job_start")) == 1
+    assert not job_processes(run)
+
+
+@pytest.mark.timeout(300)
+def test_node0_lost_with_the_embedded_store_ends_the_job_for_a_requeue(tmp_path, data_cache):
+    """Node 0's agent hosts the store: losing node 0 leaves nothing to coordinate; node 1's agent
+    says so and exits 75 (the scheduler requeues; the job resumes from its checkpoint)."""
+    run, port = tmp_path / "run", free_port()
+    overrides = ("tier=1", "fault=node_loss", "fault.node=0", "fault.step=4")
+    nodes = [start_node(run, data_cache, n, port, *overrides) for n in (0, 1)]
+    (code0, out0), (code1, out1) = [finish(node) for node in nodes]
+    assert code0 == -signal.SIGKILL, out0[-3000:]
+    assert code1 == 75, out1[-3000:]
+    assert "lost the job store at 127.0.0.2" in out1
+    assert events_of(run, "store_lost")[0]["node"] == 1
+    assert not job_processes(run)
+
+
+@pytest.fixture
+def standalone_store():
+    """``python -m ckless_lightning.store`` on 127.0.0.2 (not the nodes' address); yields its port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckless_lightning.store", "--host", "127.0.0.2", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "CKLESS_JOB_SECRET": JOB_SECRET},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("job store listening on 127.0.0.2:"), line
+        yield int(line.rsplit(":", 1)[1])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        finally:
+            proc.kill()
+
+
+@pytest.mark.timeout(600)
+def test_node0_lost_with_a_standalone_store_is_a_node_loss(tmp_path, data_cache, reference, standalone_store):
+    """With the store off node 0, losing node 0 (its agent and ranks) is recovered like any node
+    loss: a replacement agent takes node 0's place and the job ends bitwise equal."""
+    run = tmp_path / "run"
+    overrides = (
+        "tier=1",
+        "fault=node_loss",
+        "fault.node=0",
+        "fault.step=8",
+        f"cluster.store=127.0.0.2:{standalone_store}",
+        "cluster.master_addr=127.0.0.3",  # the nodes' address: the store is elsewhere
+    )
+    node0 = start_node(run, data_cache, 0, 0, *overrides)
+    node1 = start_node(run, data_cache, 1, 0, *overrides)
+    try:
+        code0, out0 = finish(node0)
+        assert code0 == -signal.SIGKILL, out0[-3000:]  # node 0's agent was killed with its ranks
+        time.sleep(1.0)
+        replacement = start_node(run, data_cache, 0, 0, *overrides)
+        results = [finish(replacement), finish(node1)]
+    finally:
+        node1.kill()
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    assert_same_training(run, reference, tmp_path)
+    assert events_of(run, "fault_injected")[0]["fault_type"] == "node_loss"
+    node0_starts = [e["gen"] for e in events_of(run, "ranks_started") if e["node"] == 0]
+    assert len(node0_starts) == 2 and node0_starts[0] < node0_starts[1]  # the lost agent's, the new one's
+    assert len(events_of(run, "job_start")) == 1  # the replacement joined the job, it did not start one
     assert not job_processes(run)
 
 

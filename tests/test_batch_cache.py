@@ -315,3 +315,26 @@ def test_reader_modules_do_not_import_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_orphan_sweep_takes_only_real_cache_dirs_of_dead_agents(tmp_path):
+    """The sweep removes a dead agent's cache dir, never a symlink named like one (nor its
+    target), a live agent's dir, or anything not named as ours."""
+    from ckless_lightning.agent.batch_cache_service import orphan_cache_dirs
+    from ckless_lightning.data.batch_cache import remove_cache_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tmp_path / f"ckless-{gone.pid}-ab12"
+    orphan.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    (tmp_path / f"ckless-{gone.pid}-cd34").symlink_to(victim)
+    (tmp_path / f"ckless-{os.getpid()}-ef56").mkdir()  # a live agent's
+    (tmp_path / "not-ours").mkdir()
+    assert orphan_cache_dirs(tmp_path) == [orphan]
+    with pytest.raises(ValueError, match="symlink"):
+        remove_cache_dir(tmp_path, f"{gone.pid}-cd34")
+    assert remove_cache_dir(tmp_path, f"{gone.pid}-ab12") and not orphan.exists()
+    assert (victim / "keep").exists()

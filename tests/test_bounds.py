@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from ckless_lightning.agent.policies import silence_limit
-from ckless_lightning.comm import GenerationChanged, Heartbeat, JobStore, connect_store
+from ckless_lightning.comm import GenerationChanged, Heartbeat, JobStore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.runtime.config import AgentConfig
@@ -25,11 +25,10 @@ from ckless_lightning.runtime.config import AgentConfig
 
 @pytest.fixture
 def store():
-    tcp = connect_store("127.0.0.1", 0, is_master=True, timeout_s=30)
-    job_store = JobStore(tcp)
+    job_store = JobStore.host("127.0.0.1", 0, secret="test-job-secret-0123456789")
     assert job_store.generation() == 0  # creates the key, as the hosting agent does
     yield job_store
-    del tcp
+    del job_store
 
 
 def _form_groups(store: JobStore, ranks: list[int], world: int, timeout_s: float) -> dict[int, BaseException]:

@@ -88,6 +88,7 @@ def test_cfg_job_prints_composed_config(tmp_path):
         (["fault=node_loss"], "cluster.nnodes"),
         (["tier=4", "replication.source=hsdp"], "cluster.replicate >= 2"),
         (["tier=2", "fault=kill", "fault.phase=recovery"], "fault.phase=recovery"),
+        (["cluster.replicate=2", "fault=bitflip", "fault.tensor=no.such"], "fault.tensor='no.such'"),
     ],
 )
 def test_bad_agent_and_fault_config_fails_before_ranks(tmp_path, overrides, named):

@@ -448,13 +448,23 @@ def test_chaos_hits_live_processes_of_every_target_kind_seeded(tmp_path: Path) -
             processes = {"rank": {3: children["rank"].pid}, "spare": {}, "reader": {}}
             for kind in ("spare", "reader"):
                 processes[kind] = {children[kind].pid: children[kind].pid}
+
+            def settled(pid: int) -> bool:
+                return psutil.Process(pid).status() in ("stopped", "zombie")
+
             deadline = time.monotonic() + 20
             while chaos.left and time.monotonic() < deadline:
-                live = {
-                    k: {i: p for i, p in m.items() if psutil.Process(p).status() not in ("stopped", "zombie")}
-                    for k, m in processes.items()
-                }
+                live = {k: {i: p for i, p in m.items() if not settled(p)} for k, m in processes.items()}
+                if not any(live.values()):
+                    break  # every process was hit: later arrivals have nothing to hit
+                before = chaos.left
                 chaos.inject_due(0, live, {})
+                if chaos.left < before:
+                    # A signal is delivered asynchronously: let the hit process reach its state before
+                    # the next arrival looks, so that both runs offer the same candidates each time.
+                    pid = read_events(log)[-1]["pid"]
+                    while not settled(pid) and time.monotonic() < deadline:
+                        time.sleep(0.001)
                 time.sleep(0.002)
             for kind, proc in children.items():  # what was hit is stopped or dead; the rest runs
                 status = "dead" if proc.poll() is not None else psutil.Process(proc.pid).status()

@@ -21,6 +21,7 @@ ENTRY_POINTS = {
     f"{PACKAGE}.forkserver",
     f"{PACKAGE}.cli",
     f"{PACKAGE}.report",
+    f"{PACKAGE}.store",
     f"{PACKAGE}.data.cache_reader",
 }
 # Floors, top down: entry points (4) use the job runners (3: the rank's job, the in-process loop, the
@@ -31,6 +32,7 @@ FLOORS = {
     f"{PACKAGE}.forkserver": 4,
     f"{PACKAGE}.cli": 4,
     f"{PACKAGE}.report": 4,
+    f"{PACKAGE}.store": 4,
     f"{PACKAGE}.data.cache_reader": 4,
     f"{PACKAGE}.training.job": 3,
     f"{PACKAGE}.training.rank_process": 3,
@@ -41,6 +43,7 @@ FLOORS = {
     f"{PACKAGE}.recovery.memory": 2,
     f"{PACKAGE}.recovery.session": 2,
     f"{PACKAGE}.recovery.commit": 2,
+    f"{PACKAGE}.recovery.digest": 2,
     f"{PACKAGE}.recovery.sever": 2,
     f"{PACKAGE}.models": 1,
     f"{PACKAGE}.replication": 1,
@@ -162,4 +165,12 @@ def test_agent_and_runtime_do_not_import_lightning() -> None:
 
 def test_the_root_holds_only_entry_points() -> None:
     loose = sorted(p.name for p in ROOT.glob("*.py"))
-    assert loose == ["__init__.py", "cli.py", "forkserver.py", "rank.py", "report.py", "spare.py"], loose
+    assert loose == [
+        "__init__.py",
+        "cli.py",
+        "forkserver.py",
+        "rank.py",
+        "report.py",
+        "spare.py",
+        "store.py",
+    ], loose

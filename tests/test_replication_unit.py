@@ -378,7 +378,7 @@ def test_buddy_no_live_rank_but_copies_everywhere():
     plan = buddy_sources(reports, buddy_of=_buddy())
     assert plan.step == 3 and plan.transfers == () and plan.rollback == frozenset(range(4))
     assert buddy_sources({r: RankReport(r, None) for r in range(4)}, buddy_of=_buddy()).reason.startswith(
-        "no rank survived"
+        "no rank holds trusted live state"
     )
 
 

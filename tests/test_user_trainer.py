@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckless_lightning.comm import connect_store
+from ckless_lightning.comm import JobStore
 
+SECRET = "test-job-secret-0123456789"  # the job store's secret, handed to the ranks
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "user_trainer_script.py"
 WORLD_SIZE = 4
@@ -34,7 +35,7 @@ RUN_TIMEOUT_S = 100.0
 def _run_job(out: Path, *, fault_step: int, fault_rank: int = 1) -> list[int]:
     """Host a fresh job store, run every rank of the script to the end; returns the ranks' pids."""
     out.mkdir(parents=True)
-    store = connect_store("127.0.0.1", 0, is_master=True)  # lives as long as this frame
+    store = JobStore.host("127.0.0.1", 0, secret=SECRET)  # lives as long as this frame
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
     try:
@@ -51,6 +52,7 @@ def _run_job(out: Path, *, fault_step: int, fault_rank: int = 1) -> list[int]:
                 "MASTER_PORT": str(store.port),  # unused: the process group forms on the job store
                 "CKLESS_STORE_ADDR": "127.0.0.1",
                 "CKLESS_STORE_PORT": str(store.port),
+                "CKLESS_JOB_SECRET": SECRET,
                 "CKLESS_GENERATION": "0",
                 "OMP_NUM_THREADS": "1",
             }

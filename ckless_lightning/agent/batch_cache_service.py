@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -34,11 +35,25 @@ from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import launcher_env
 from ckless_lightning.runtime.faults import claim_fault
 
-__all__ = ["READER_START_S", "BatchCacheService"]
+__all__ = ["READER_START_S", "BatchCacheService", "orphan_cache_dirs"]
 
 READER_START_S = 120.0  # a reader not ready (imported, dataset open) this long after its start is restarted
 
 _JOB_DIR = re.compile(r"^ckless-(\d+)-[0-9a-f]+$")
+
+
+def orphan_cache_dirs(base: Path) -> list[Path]:
+    """Cache dirs in ``base`` of jobs whose agent is gone: named as ours (``ckless-<pid>-<hex>``),
+    real directories (a symlink is never followed), owned by this user, their agent pid dead."""
+    found = []
+    for entry in base.iterdir():
+        match = _JOB_DIR.match(entry.name)
+        if match is None:
+            continue
+        info = entry.lstat()
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not _pid_alive(int(match[1])):
+            found.append(entry)
+    return found
 
 
 def _pid_alive(pid: int) -> bool:
@@ -220,14 +235,6 @@ class BatchCacheService:
         """Remove cache dirs of jobs whose agent is gone (killed with SIGKILL, so it could not clean up)."""
         if not self.base.is_dir():
             return
-        for entry in self.base.iterdir():
-            match = _JOB_DIR.match(entry.name)
-            if (
-                match
-                and entry.is_dir()
-                and entry.stat().st_uid == os.getuid()
-                and not _pid_alive(int(match[1]))
-            ):
-                job_id = entry.name.removeprefix("ckless-")
-                remove_cache_dir(self.base, job_id)
-                self.events.emit("cache_orphan_removed", path=str(entry))
+        for entry in orphan_cache_dirs(self.base):
+            remove_cache_dir(self.base, entry.name.removeprefix("ckless-"))
+            self.events.emit("cache_orphan_removed", path=str(entry))

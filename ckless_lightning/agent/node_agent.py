@@ -2,7 +2,9 @@
 
 One agent per node starts that node's ranks, watches them, and recovers the job
 from faults. Node 0's agent hosts the job store (``ckless_lightning.comm.store``),
-so losing any rank never loses the store.
+so losing any rank never loses the store; with ``cluster.store`` every agent joins a
+standalone store (``python -m ckless_lightning.store``) instead, and node 0 is a node
+like any other: losing it is a node loss, not the job's end.
 
 The supervision loop: each pass writes the agent's heartbeat, observes the node
 and the job once (:class:`~ckless_lightning.agent.policies.Observation`: the
@@ -43,12 +45,15 @@ The agent never imports Lightning: the ranks and warm spares do.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+from torch.distributed import DistNetworkError
 
 from ckless_lightning.agent.batch_cache_service import BatchCacheService
 from ckless_lightning.agent.budget import RestartBudget
@@ -62,7 +67,7 @@ from ckless_lightning.agent.policies import (
     silence_limit,
 )
 from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped
-from ckless_lightning.comm import Heartbeat, JobStore, connect_store
+from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import ExitCode, RankSpec
@@ -73,9 +78,9 @@ __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
 EXIT_FAULT_BUDGET = ExitCode.FAULT_BUDGET
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -92,13 +97,17 @@ class NodeAgent:
         config_path: Path,
         *,
         prepared_path: Path,
+        secret: str,
         start_step: int = 0,
         fork_server: ForkServer | None = None,
     ) -> None:
-        """``prepared_path``: the packed dataset (tier 2's reader reads it); ``start_step``: the
-        optimizer step the job resumes from; ``fork_server``: one ``launch.py`` started early
-        (with ``agent.fork_server`` and none given, the agent starts its own)."""
+        """``prepared_path``: the packed dataset (tier 2's reader reads it); ``secret``: the job
+        store's (:mod:`ckless_lightning.comm.secret`); ``start_step``: the optimizer step the job
+        resumes from; ``fork_server``: one ``launch.py`` started early (with ``agent.fork_server``
+        and none given, the agent starts its own)."""
         self.job = job
+        self.secret = secret
+        self.agent_id = f"{socket.gethostname()}:{os.getpid()}"  # who acts as this node (ownership)
         self.cluster = job.cluster
         self.cfg = job.agent
         self.node = job.cluster.node_rank
@@ -137,15 +146,21 @@ class NodeAgent:
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
-        is_host = self.node == 0
+        is_host = self.node == 0 and self.cluster.store is None
         if self.fork_server is not None:
             self.fork_server.start()  # if launch.py did not: imports while the store and the cache start
-        port = self.cluster.master_port
-        if is_host and port == 0:
-            port = _free_port()
-        self.store = JobStore(connect_store(self.cluster.master_addr, port, is_master=is_host))
+        host, port = self.cluster.store_address
+        try:
+            if is_host:
+                self.store = JobStore.host(host, port, secret=self.secret)
+            else:
+                self.store = JobStore.connect(host, port, secret=self.secret)
+        except StoreRefused as err:
+            print(f"config error: {err}", file=sys.stderr)
+            return ExitCode.CONFIG
         self.store_port = self.store.port
-        if is_host:
+        self.store.set_node_owner(self.node, self.agent_id)
+        if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
             self.events.emit(
                 "job_start",
                 tier=self.job.tier,
@@ -156,6 +171,8 @@ class NodeAgent:
         try:
             self.batch_cache.start()
             code = self._supervise()
+        except DistNetworkError as err:  # the store's host is gone (node 0's agent, or the standalone store)
+            code = self._store_lost(host, port, err)
         except KeyboardInterrupt as interrupt:
             signum = int(interrupt.args[0]) if interrupt.args else int(signal.SIGINT)
             self.stop_ranks(graceful=True)
@@ -164,7 +181,7 @@ class NodeAgent:
             )
             code = 128 + signum
         finally:
-            if is_host:
+            if self.node == 0:
                 self.events.emit("job_end", exit_code=code)
             self.stop_ranks(graceful=False)
             self.spares.close()
@@ -173,6 +190,29 @@ class NodeAgent:
             self.batch_cache.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
+
+    def _store_lost(self, host: str, port: int, err: BaseException) -> int:
+        """The job store stopped answering: nothing can be coordinated any more; requeue."""
+        where = "node 0's agent, which hosts it" if self.cluster.store is None else "the standalone store"
+        self.events.emit("store_lost", node=self.node, error=f"{type(err).__name__}: {err}"[:300])
+        print(
+            f"giving up: lost the job store at {host}:{port} ({where}, is gone: {type(err).__name__}); "
+            f"exit code {EXIT_FAULT_BUDGET} (requeue: the job resumes from its last checkpoint)",
+            file=sys.stderr,
+        )
+        return EXIT_FAULT_BUDGET
+
+    def _taken_over(self) -> int:
+        """Another agent (a standby) took this node over while this one was silent: leave it the node."""
+        assert self.store is not None
+        owner = self.store.node_owner(self.node)
+        self.stop_ranks(graceful=False)
+        self.events.emit("agent_replaced", node=self.node, by=owner)
+        print(
+            f"node {self.node} was taken over by agent {owner} while this agent was silent; leaving",
+            file=sys.stderr,
+        )
+        return ExitCode.OK
 
     def _supervise(self) -> int:
         """The supervision loop: observe, let the tier's policy decide, carry the decision out."""
@@ -185,6 +225,8 @@ class NodeAgent:
         self.start_ranks(gen)
         self.refill_spares_later()
         while True:
+            if self.store.node_owner(self.node) != self.agent_id:
+                return self._taken_over()
             obs = self._observe(gen)
             decision = policy.decide(obs)
             gen = decision.generation
@@ -336,7 +378,11 @@ class NodeAgent:
         if self.job.comm.rootless:
             master_port = self.store_port
         elif self.node == 0:
-            master_port = self.store.master_port(gen) if self.store.has_master_port(gen) else _free_port()
+            master_port = (
+                self.store.master_port(gen)
+                if self.store.has_master_port(gen)
+                else _free_port(self.cluster.master_addr)
+            )
             self.store.publish_master_port(gen, master_port)
         else:
             master_port = self.store.master_port(gen)
@@ -350,8 +396,9 @@ class NodeAgent:
             master_addr=self.cluster.master_addr,
             master_port=master_port,
             generation=gen,
-            store_addr=self.cluster.master_addr,
+            store_addr=self.cluster.store_address[0],
             store_port=self.store_port,
+            store_secret=self.secret,
             batch_cache=str(self.batch_cache.root) if self.batch_cache.root else None,
         )
         self.store.set_rank_heartbeat(rank, Heartbeat(gen, -1, time.time()))

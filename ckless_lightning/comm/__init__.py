@@ -2,13 +2,14 @@
 
 from ckless_lightning.comm.generation import Generation
 from ckless_lightning.comm.process_group import init_generation_process_group
-from ckless_lightning.comm.store import GenerationChanged, Heartbeat, JobStore, connect_store
+from ckless_lightning.comm.store import GenerationChanged, Heartbeat, JobStore, StoreRefused, connect_store
 
 __all__ = [
     "Generation",
     "GenerationChanged",
     "Heartbeat",
     "JobStore",
+    "StoreRefused",
     "connect_store",
     "init_generation_process_group",
 ]

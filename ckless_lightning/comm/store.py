@@ -1,13 +1,23 @@
-"""The job store: a c10d TCPStore hosted by node 0's agent, and the only code that knows its key names.
+"""The job store: a c10d TCPStore hosted by node 0's agent (or standalone), and the only code that
+knows its key names.
 
 Reused, not rewritten: ``torch.distributed.TCPStore`` is the same store
-torchrun's rendezvous and ``init_process_group`` use. It lives in an agent, not
-in a rank, so any rank can die without taking the store with it. Everyone else
-goes through :class:`JobStore`'s methods; nothing outside this module spells a key.
+torchrun's rendezvous and ``init_process_group`` use. It lives in an agent (or in
+``python -m ckless_lightning.store``), not in a rank, so any rank can die without
+taking the store with it. Everyone else goes through :class:`JobStore`'s methods;
+nothing outside this module spells a key.
+
+The host binds the configured address only (a listening socket handed to the TCPStore), not
+every interface. Every key of a job lives under a namespace derived from the job's secret
+(:func:`job_namespace`): a client that cannot present the secret reads and writes nothing of the
+job's, and :meth:`JobStore.connect` refuses a store that holds no job under its secret. The
+keys below are relative to that namespace.
 
 =================================  ==========================================================  ============
 key                                value                                                       written by
 =================================  ==========================================================  ============
+``job``                            set by the host when the store opens (the secret check)       host
+``job_started``                    counter: node 0's first agent starts the job (job_start)     agent 0
 ``gen``                            the current generation (an int, only raised, compare_set)   agent, rank
 ``restart/<g>``                    unix time generation ``g`` began (the restart budget)       advancer
 ``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
@@ -19,13 +29,18 @@ key                                value                                        
                                    (``peers``: waiting in a collective, ``running``, ``data``)
 ``agent/<node>``                   the generation each agent is in                             agent
 ``agent/<node>/beats``             counter each agent bumps per pass (liveness, no clocks)    agent
+``owner/<node>``                   the agent now acting as ``node`` (a standby takes it over)  agent
+``claim/<node>/<beats>``           the standby agent that takes ``node``, silent at ``beats``  standby
 ``started/<g>/<node>``             the node's ranks were started in generation ``g``           agent
 ``master_port/<g>``                tier 0: rank 0's rendezvous port of generation ``g``        agent 0
 ``done/<g>/<node>``                a node's ranks all finished in generation ``g``             agent
 ``member/<rank>``                  the generation the rank's current process belongs to        agent, rank
 ``gen<g>/joined``                  tiers 3-4: counter of ranks that joined ``g`` (barrier)     rank
 ``gen<g>/vote/<step>``             tiers 3-4: counter of votes for the step in progress        rank
-``gen<g>/decision/<step>``         ``commit`` or ``abandon``, compare_set once                 rank
+``gen<g>/decision/<step>``         ``commit``, ``abandon`` or ``disagree ...``, once           rank
+``gen<g>/digest/<rank>``           HSDP: ``<step> <digest>``, posted before each vote          rank
+                                   (a key per rank, overwritten: none per step)
+``suspect/<rank>``                 counter: times its state disagreed with its replicas        rank
 ``state/recorded``                 tier 4: some rank recorded a committed step in memory       rank
 ``finished``, ``finished/<rank>``  tiers 3-4: ranks past their last collective (count, each)   rank
 ``gen<g>/pg/...``                  tier 1+: generation ``g``'s process groups (PrefixStore)    torch
@@ -34,6 +49,8 @@ key                                value                                        
 
 from __future__ import annotations
 
+import hashlib
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,17 +60,60 @@ from torch.distributed import DistStoreError, PrefixStore, TCPStore
 
 from ckless_lightning.comm.bounded_store import GenerationBoundStore, GenerationChanged
 
-__all__ = ["GenerationChanged", "Heartbeat", "JobStore", "connect_store"]
+__all__ = ["GenerationChanged", "Heartbeat", "JobStore", "StoreRefused", "connect_store", "job_namespace"]
+
+# How long a client waits for the host's ``job`` key after connecting (the host writes it right
+# after it starts listening, so a longer wait means another job's store or a wrong secret).
+_JOB_KEY_WAIT_S = 10.0
+
+
+class StoreRefused(RuntimeError):
+    """The store at the address holds no job under this client's secret."""
+
+
+def job_namespace(secret: str) -> str:
+    """The key prefix of the job whose secret is ``secret`` (a digest: the secret itself never
+    travels; the namespace does, in plain text, with every request)."""
+    if not secret:
+        raise ValueError(
+            "no job store secret: processes of a job get it from their agent (CKLESS_JOB_SECRET); "
+            "start ranks with launch.py, or set CKLESS_JOB_SECRET to the job's secret"
+        )
+    return "job-" + hashlib.sha256(f"ckless-job-store:{secret}".encode()).hexdigest()[:40]
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host`` only (port 0: a free one) and listening; IPv4 or IPv6."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def connect_store(host: str, port: int, *, is_master: bool, timeout_s: float = 300.0) -> TCPStore:
-    """Host (``is_master``) or join the job's TCPStore; port 0 with is_master picks a free port."""
+    """Host (``is_master``) or join the job's TCPStore; port 0 with is_master picks a free port.
+
+    The host listens on ``host``'s address only: a TCPStore given just a port listens on every
+    interface (torch 2.13), so it gets a socket already bound (``master_listen_fd``).
+    """
+    listen_fd = None
+    if is_master:
+        sock = listening_socket(host, port)
+        port = sock.getsockname()[1]
+        listen_fd = sock.detach()  # the TCPStore server owns the descriptor from here on
     return TCPStore(
         host,
         port,
         is_master=is_master,
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listen_fd,
         use_libuv=True,
     )
 
@@ -86,18 +146,41 @@ class Heartbeat:
 class JobStore:
     """Typed access to the job store's keys (see the module docstring)."""
 
-    def __init__(self, store: TCPStore) -> None:
-        self._tcp = store  # the raw c10d store: only this class spells its keys
+    def __init__(self, store: TCPStore, *, secret: str) -> None:
+        """Use ``store`` for the job whose secret is ``secret`` (prefer :meth:`host` / :meth:`connect`)."""
+        self._server = store  # the connection: its address, for another client
+        self._secret = secret
+        # The job's namespace: only this class spells its keys.
+        self._tcp = PrefixStore(job_namespace(secret), store)
         self._pg_stores: dict[int, GenerationBoundStore] = {}
 
     @classmethod
-    def connect(cls, host: str, port: int) -> JobStore:
-        """Join the job store an agent hosts (ranks and non-hosting agents)."""
-        return cls(connect_store(host, port, is_master=False))
+    def host(cls, host: str, port: int, *, secret: str) -> JobStore:
+        """Open the job store on ``host:port`` (port 0: a free one) for the job with ``secret``."""
+        store = cls(connect_store(host, port, is_master=True), secret=secret)
+        store._tcp.set("job", "1")
+        return store
+
+    @classmethod
+    def connect(cls, host: str, port: int, *, secret: str, timeout_s: float = _JOB_KEY_WAIT_S) -> JobStore:
+        """Join the job store on ``host:port`` (ranks, agents); :class:`StoreRefused` when it holds no
+        job under ``secret`` within ``timeout_s`` (another job's store, or a different secret)."""
+        store = cls(connect_store(host, port, is_master=False), secret=secret)
+        try:
+            store._tcp.wait(["job"], timedelta(seconds=timeout_s))
+        except DistStoreError as err:
+            if "timeout" not in str(err):
+                raise
+            raise StoreRefused(
+                f"the job store at {host}:{port} holds no job for this secret: every agent and rank of a "
+                "job must present the same one (CKLESS_JOB_SECRET or CKLESS_JOB_SECRET_FILE); is "
+                f"{host}:{port} this job's store?"
+            ) from None
+        return store
 
     @property
     def port(self) -> int:
-        return self._tcp.port
+        return self._server.port
 
     # -- generations -------------------------------------------------------
     def generation(self) -> int:
@@ -140,7 +223,9 @@ class JobStore:
 
     def another_client(self) -> JobStore:
         """A second connection to the same store (for a thread that blocks in :meth:`wait_moved`)."""
-        return JobStore(connect_store(self._tcp.host, self._tcp.port, is_master=False))
+        return JobStore(
+            connect_store(self._server.host, self._server.port, is_master=False), secret=self._secret
+        )
 
     def process_group_store(self, gen: int, *, init_timeout_s: float) -> GenerationBoundStore:
         """Generation ``gen``'s own namespace for ``init_process_group`` (tier 1+).
@@ -162,6 +247,10 @@ class JobStore:
         keys = [f"restart/{g}" for g in range(1, up_to_gen + 1)]
         present = [k for k in keys if self._tcp.check([k])]
         return [float(v) for v in self._tcp.multi_get(present)] if present else []
+
+    def claim_job_start(self) -> bool:
+        """True for the first caller only: the agent that starts the job (not a replacement of it)."""
+        return self._tcp.add("job_started", 1) == 1
 
     # -- giving up ---------------------------------------------------------
     def give_up(self, reason: str) -> None:
@@ -204,6 +293,21 @@ class JobStore:
         if not self._tcp.check([key]):
             return None
         return int(self._tcp.get(key)), self._tcp.add(f"{key}/beats", 0)
+
+    # -- node ownership (standby agents) -------------------------------------
+    def set_node_owner(self, node: int, agent_id: str) -> None:
+        """``agent_id`` acts as ``node`` from now on (an agent that starts, or a standby that took it)."""
+        self._tcp.set(f"owner/{node}", agent_id)
+
+    def node_owner(self, node: int) -> str | None:
+        key = f"owner/{node}"
+        return self._tcp.get(key).decode() if self._tcp.check([key]) else None
+
+    def claim_node(self, node: int, silent_at_beats: int, agent_id: str) -> bool:
+        """Take over ``node``, found silent at beat count ``silent_at_beats``; True for exactly one
+        claimant per silence (several standby agents may see it at once)."""
+        key = f"claim/{node}/{silent_at_beats}"
+        return self._tcp.compare_set(key, "", agent_id).decode() == agent_id
 
     # -- per-generation rendezvous and completion --------------------------
     def publish_master_port(self, gen: int, port: int) -> None:
@@ -253,6 +357,30 @@ class JobStore:
         key = f"gen{gen}/decision/{step}"
         return self._tcp.get(key) if self._tcp.check([key]) else None
 
+    # -- the state digest in the vote (tiers 3-4, HSDP) ----------------------
+    def post_digest(self, gen: int, step: int, rank: int, digest: str) -> None:
+        """``rank``'s state digest for the vote on ``step`` (written before its vote counts; it
+        replaces the rank's previous one, which no rank reads once that step is decided)."""
+        self._tcp.set(f"gen{gen}/digest/{rank}", f"{step} {digest}")
+
+    def digests(self, gen: int, step: int, ranks: list[int]) -> dict[int, str]:
+        """The digests posted for the vote on ``step``, by rank. Called once every rank voted: each
+        posted before voting, and none can post the next step's before this one is decided."""
+        values = self._tcp.multi_get([f"gen{gen}/digest/{r}" for r in ranks])
+        out = {}
+        for r, raw in zip(ranks, values, strict=True):
+            posted, digest = raw.decode().split(" ", 1)
+            assert int(posted) == step, f"rank {r}'s digest is of step {posted}, the vote is on {step}"
+            out[r] = digest
+        return out
+
+    def count_disagreement(self, rank: int) -> int:
+        """Count one more state disagreement of ``rank`` (over the job's life); returns the count."""
+        return self._tcp.add(f"suspect/{rank}", 1)
+
+    def disagreements(self, rank: int) -> int:
+        return self._tcp.add(f"suspect/{rank}", 0)
+
     # -- tier 4 ------------------------------------------------------------
     def mark_state_recorded(self) -> None:
         """Some rank recorded a committed step in memory: a recovery can restore from memory."""
@@ -280,6 +408,9 @@ class JobStore:
 
     def mark_done(self, gen: int, node: int) -> None:
         self._tcp.set(f"done/{gen}/{node}", "1")
+
+    def node_done(self, gen: int, node: int) -> bool:
+        return self._tcp.check([f"done/{gen}/{node}"])
 
     def nodes_done(self, gen: int, nnodes: int) -> bool:
         return self._tcp.check([f"done/{gen}/{n}" for n in range(nnodes)])

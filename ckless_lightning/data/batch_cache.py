@@ -238,9 +238,11 @@ def remove_cache_dir(base: Path, job_id: str) -> bool:
     """Remove ``base/ckless-<job_id>`` and everything in it; ``False`` if it was already gone."""
     _validate_job_id(job_id)
     job_dir = Path(base) / f"ckless-{job_id}"
+    if job_dir.is_symlink():
+        raise ValueError(f"{job_dir} is a symlink, not a cache directory of ours: left alone")
     if not job_dir.exists():
         return False
-    shutil.rmtree(job_dir)
+    shutil.rmtree(job_dir)  # never follows symlinks inside it (Python 3.11's rmtree)
     return True
 
 

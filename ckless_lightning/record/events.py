@@ -74,11 +74,19 @@ int | None; for a hang also stopped, stale_ranks, where: {rank: "running" | "dat
 ``generation`` {gen, reason}
     The job moved to generation ``gen`` (an agent, or at tiers 3-4 the first rank to leave).
 ``commit_votes`` {rank, votes, vote_s, vote_cpu_s, recoveries, snapshots, snapshot_s, snapshot_cpu_s,
-exchange_wait_s, host_copy_bytes}
+exchange_wait_s, host_copy_bytes, digests, digest_s}
     Tiers 3-4, at the end of a rank's training: the commit votes it cast and the
     seconds spent in them (wall, and CPU time of the rank's main thread), its in-process
     recoveries, and (tier 4) its per-step snapshots, their cost (wall and CPU), the wait
     for buddy exchanges and the host memory of copies.
+``state_disagreement`` {rank, gen, step, part, suspects, times, trusted_step, digests}
+    Tiers 3-4, HSDP: the vote on ``step`` found ``suspects``' state digests unlike their
+    replicas' (written by the rank that decided): the step is abandoned, checkpoints after
+    ``trusted_step`` are set aside (``<name>.suspect-gen<g>``), and no rank's live state is
+    trusted in the recovery: the job resumes from the last checkpoint up to ``trusted_step``.
+    ``times``: how often each suspect disagreed in the job.
+``suspect_hardware`` {rank, gen, step, times}
+    A rank's state disagreed ``times`` (>= 2) times: it exits (code 5) and is replaced.
 ``memory_restore`` {rank, gen, step, lost, sources, rollback, reason, fallback?}
     Tier 4, per rank and recovery: the committed step restored (None: fell back to
     the disk checkpoint ``fallback``), the lost ranks, the (source, destination)
@@ -125,6 +133,8 @@ EVENT_KINDS = (
     "giveup",
     "job_end",
     "commit_votes",
+    "state_disagreement",
+    "suspect_hardware",
     "memory_restore",
     "transfer_rejected",
     "rank_end",

@@ -8,15 +8,53 @@ job's generation. A rank that sees the generation move on decides ``abandon``
 instead. Both writes are ``compare_set`` from "no value", so exactly one
 decision exists per step and every rank obeys the same one: either every live
 rank applies the step or none does.
+
+With a state digest (HSDP, :mod:`~ckless_lightning.recovery.digest`), each rank posts the
+digest of its state before its vote counts, and the deciding rank compares the replicas of
+each shard: when some disagree, the decision is ``disagree <ranks> <trusted step>`` instead of
+``commit``, and every rank raises :class:`StateDisagreement` (the step is not applied; the job
+moves to a new generation and resumes from the last checkpoint of a step up to the trusted one:
+no rank's live state is trusted, since the corrupt replica's gradients have entered every
+replica's update since the corruption).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+
+import torch
 
 from ckless_lightning.comm import Generation, GenerationChanged
+from ckless_lightning.recovery.digest import StateDigest, disagreeing, replica_groups
 
-__all__ = ["StepCommit"]
+__all__ = ["StateDisagreement", "StepCommit"]
+
+_DISAGREE = "disagree"
+
+
+class StateDisagreement(GenerationChanged):
+    """The vote on ``step`` found ``suspects``' state unlike their replicas': the step is abandoned.
+
+    ``trusted_step``: the last step whose state, and so whose disk checkpoint, is known to predate
+    the corruption (every part of the state was compared since and agreed until this vote).
+    """
+
+    def __init__(
+        self, generation: int, current: int, step: int, suspects: list[int], trusted_step: int
+    ) -> None:
+        self.step = step
+        self.suspects = suspects
+        self.trusted_step = trusted_step
+        super().__init__(generation, current, f"voting on step {step}")
+
+    def __str__(self) -> str:
+        names = ", ".join(map(str, self.suspects))
+        return (
+            f"generation {self.generation}, the vote on step {self.step}: the state of rank(s) {names} "
+            f"disagrees with their replicas; resuming from the last checkpoint up to step {self.trusted_step}"
+        )
+
 
 _GEN_CHECK_S = 0.02  # how often a waiting voter reads the generation
 
@@ -29,24 +67,63 @@ class StepCommit:
     ``cpu_s`` (this thread's CPU) and ``votes`` accumulate the cost.
     """
 
-    def __init__(self, generation: Generation) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        *,
+        digest: StateDigest | None = None,
+        on_disagreement: Callable[..., None] | None = None,
+    ) -> None:
         self.generation = generation
+        self.digest = digest
+        self.groups = replica_groups(*generation.mesh) if digest is not None else []
+        self.on_disagreement = on_disagreement or (lambda **fields: None)
         self.wait_s = 0.0
         self.cpu_s = 0.0  # this thread's CPU time in votes (the store round trips and polling)
         self.votes = 0
 
-    def vote(self, step: int) -> None:
+    def vote(self, step: int, state: Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
+        """Vote for ``step``; ``state`` gives this rank's local state tensors (for the digest)."""
         start, cpu_start = time.perf_counter(), time.thread_time()
         store, gen = self.generation.store, self.generation.number
+        if self.digest is not None and state is not None:
+            store.post_digest(gen, step, self.generation.rank, self.digest.of(state(), step))
         if store.vote(gen, step) >= self.generation.world_size:
-            decision = store.decide(gen, step, "commit")
+            decision = store.decide(gen, step, self._judge(step))
         else:
             decision = self._wait(step)
         self.wait_s += time.perf_counter() - start
         self.cpu_s += time.thread_time() - cpu_start
         self.votes += 1
+        if decision.startswith(_DISAGREE.encode()):
+            _, names, trusted = decision.decode().split()
+            suspects = [int(r) for r in names.split(",")]
+            raise StateDisagreement(gen, store.generation(), step, suspects, int(trusted))
         if decision != b"commit":
             raise GenerationChanged(gen, store.generation(), f"voting on step {step}: abandoned")
+
+    def _judge(self, step: int) -> str:
+        """The deciding rank's decision: ``commit``, or ``disagree`` when replicas' digests differ."""
+        if self.digest is None:
+            return "commit"
+        store, gen = self.generation.store, self.generation.number
+        digests = store.digests(gen, step, list(range(self.generation.world_size)))
+        suspects = disagreeing(digests, self.groups)
+        if not suspects:
+            return "commit"
+        # The vote of step s sees the state after step s - 1; a corruption first seen now happened
+        # after step s - 1 - every (its part was compared, and agreed, at most `every` votes ago).
+        trusted = max(0, step - 1 - self.digest.every)
+        counts = {r: store.count_disagreement(r) for r in suspects}
+        self.on_disagreement(
+            step=step,
+            part=self.digest.part(step),
+            suspects=suspects,
+            times=counts,
+            trusted_step=trusted,
+            digests={r: digests[r] for g in self.groups if set(g) & set(suspects) for r in g},
+        )
+        return f"{_DISAGREE} {','.join(map(str, suspects))} {trusted}"
 
     def _wait(self, step: int) -> bytes:
         store, gen = self.generation.store, self.generation.number

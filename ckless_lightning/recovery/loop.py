@@ -46,7 +46,8 @@ from ckless_lightning.comm import Generation, GenerationChanged, JobStore
 from ckless_lightning.models import resolve_mesh
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import reset_peak_rss, rss_bytes
-from ckless_lightning.recovery.commit import StepCommit
+from ckless_lightning.recovery.commit import StateDisagreement, StepCommit
+from ckless_lightning.recovery.digest import StateDigest
 from ckless_lightning.recovery.memory import MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
@@ -54,8 +55,8 @@ from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.recovery.where import WhereReporter
 from ckless_lightning.replication import SnapshotCopies, Transfer
 from ckless_lightning.replication.state import LiveParam, live_params, params_are_optimized, reshard_all
-from ckless_lightning.runtime.checkpointing import latest_checkpoint
-from ckless_lightning.runtime.contract import RankContext, is_peer_failure
+from ckless_lightning.runtime.checkpointing import latest_checkpoint, quarantine_checkpoints
+from ckless_lightning.runtime.contract import ExitCode, RankContext, is_peer_failure
 from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
 from ckless_lightning.training.strategy import MEMORY_CHECKPOINT, CheckpointlessStrategy
 
@@ -63,6 +64,7 @@ __all__ = ["InProcessRecovery", "JobGaveUp", "MakeTrainer", "RecoveryFaults"]
 
 # (strategy of this generation, callbacks to add to the Trainer) -> Trainer
 MakeTrainer = Callable[[CheckpointlessStrategy, list[pl.Callback]], pl.Trainer]
+_SUSPECT_AFTER = 2  # a rank whose state disagrees this many times is suspect hardware: replaced
 _SETTLE_ON_LEAVE_S = 5.0  # tier 4: how long a leaving rank lets a buddy exchange in flight finish
 
 
@@ -105,6 +107,7 @@ class InProcessRecovery:
         faults: RecoveryFaults | None = None,
         snapshots: SnapshotCopies | None = None,
         bucket_bytes: int = 64 << 20,
+        digest: StateDigest | None = None,
     ) -> None:
         self.generation = generation
         self.store: JobStore = generation.store
@@ -123,6 +126,8 @@ class InProcessRecovery:
         )
         self.snapshots = snapshots
         self.bucket_bytes = bucket_bytes
+        # HSDP: replicas compare state digests in the vote (None: no replicas, or switched off)
+        self.digest = digest if generation.mesh[0] >= 2 else None
         self.snapshot_callback: SnapshotCallback | None = None  # the current generation's (its cost)
         self.record_s = 0.0
         self.record_cpu_s = 0.0
@@ -158,7 +163,7 @@ class InProcessRecovery:
                 "InProcessRecovery needs the node agent's job store: start the ranks with launch.py, "
                 "or set CKLESS_STORE_ADDR / CKLESS_STORE_PORT to a running agent's store"
             )
-        store = JobStore.connect(context.store_addr, context.store_port)  # type: ignore[arg-type]
+        store = JobStore.connect(context.store_addr, context.store_port, secret=context.store_secret)  # type: ignore[arg-type]
         generation = Generation(
             store,
             number=context.generation,
@@ -241,6 +246,8 @@ class InProcessRecovery:
                     self.session.completed_step = trainer.global_step
                 self.session.beat_recovering()
                 self._capture_live_state(trainer, err)
+                if isinstance(err, StateDisagreement):
+                    self._on_disagreement(err)
                 self._leave(err)
                 left_after = self.session.completed_step
                 recovering = True
@@ -260,7 +267,11 @@ class InProcessRecovery:
     def _strategy(self, gen: Generation, resume: str | Path | None) -> CheckpointlessStrategy:
         """Generation ``gen``'s strategy, handed the vote, the leave hook and (tier 4) the memory restore;
         ``resume`` is what its ``fit`` restores from (weights are then not initialized)."""
-        self.commit = StepCommit(gen)
+        self.commit = StepCommit(
+            gen,
+            digest=self.digest,
+            on_disagreement=lambda **fields: self._emit("state_disagreement", gen.number, **fields),
+        )
         memory = None
         if self.snapshots is not None:
             faults = self.faults
@@ -389,15 +400,54 @@ class InProcessRecovery:
                 self.snapshots.capture_live(None, trusted=False)
             self._collect_snapshot_cost()
             return
-        params, why = self._live_state(trainer, not_ours)
+        params, why = self._live_state(trainer, err, not_ours)
         self.snapshots.capture_live(params, trusted=params is not None)
         self._phase("live_captured", self.session.generation, trusted=params is not None, why=why)
         self._collect_snapshot_cost()
 
-    def _live_state(self, trainer: pl.Trainer | None, not_ours: bool) -> tuple[list[LiveParam] | None, str]:
+    def _on_disagreement(self, err: StateDisagreement) -> None:
+        """Every rank: set aside the checkpoints that may hold the corrupt state, before any rank can
+        resume from one (each does it before joining the next generation); no rank offers its live
+        state (:meth:`_live_state`), so the job resumes from the last checkpoint up to
+        ``err.trusted_step`` (none: from its start). A suspect rank that disagreed before is
+        suspect hardware: it exits, and the agent replaces it."""
+        moved = quarantine_checkpoints(
+            self.checkpoint_dir, after_step=err.trusted_step, tag=f"gen{self.session.generation}"
+        )
+        if moved:
+            print(
+                f"rank {self.rank}: set aside {len(moved)} checkpoint(s) after step {err.trusted_step}: "
+                f"{', '.join(p.name for p in moved)}",
+                file=sys.stderr,
+            )
+        if self.rank not in err.suspects:
+            return
+        times = self.store.disagreements(self.rank)
+        print(
+            f"rank {self.rank}: its state disagreed with its replicas at step {err.step} "
+            f"({times} time(s) in this job)",
+            file=sys.stderr,
+        )
+        if times >= _SUSPECT_AFTER:
+            self._emit("suspect_hardware", self.session.generation, step=err.step, times=times)
+            print(
+                f"rank {self.rank}: suspect hardware (state disagreed {times} times): exiting so that the "
+                f"agent replaces this process (exit code {ExitCode.SUSPECT_STATE})",
+                file=sys.stderr,
+            )
+            raise SystemExit(ExitCode.SUSPECT_STATE)
+
+    def _live_state(
+        self, trainer: pl.Trainer | None, err: Exception, not_ours: bool
+    ) -> tuple[list[LiveParam] | None, str]:
         """This rank's live state to offer its peers, or None and why not."""
         if trainer is None:
             return None, "no trainer"
+        if isinstance(err, StateDisagreement):
+            # Not even the majority's: the corrupt replica's gradients entered every replica's
+            # update since the corruption (measured: 3x1, a flip found 2 steps later had changed
+            # every rank's weights). Only state up to err.trusted_step is known clean: the disk.
+            return None, f"replicas disagreed at step {err.step}; clean only up to step {err.trusted_step}"
         if not not_ours:
             return None, "this rank's own code failed"
         assert self.snapshots is not None
@@ -440,6 +490,10 @@ class InProcessRecovery:
         """This rank moved the job to generation ``gen`` first (job-wide): record it once."""
         assert self.events is not None
         self.events.emit("generation", gen=gen, reason="fault")
+
+    def _emit(self, kind: str, gen: int, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(kind, rank=self.rank, gen=gen, **fields)
 
     def _phase(self, phase: str, gen: int, **fields: Any) -> None:
         if self.events is not None:

@@ -24,7 +24,6 @@ checkpoint and says which shards were lost: never a guess.
 
 from __future__ import annotations
 
-import pickle
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +46,7 @@ from ckless_lightning.replication import (
     transfer_tensors,
 )
 from ckless_lightning.replication.adopt import adopt_optimizer_state, adopt_parameters
+from ckless_lightning.replication.loop_state import decode_loop_state
 from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups, set_rng_state
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
@@ -144,7 +144,7 @@ class MemoryRestore:
                 self._emit("transfer_rejected", pairs=[(p.src, p.dst) for p in sorted(bad, key=str)])
                 continue
             payload = self._receive_loop(plan, rank, loop)
-            checkpoint = pickle.loads(payload)
+            checkpoint = decode_loop_state(payload)
             set_param_groups(optimizers, [s["param_groups"] for s in checkpoint["optimizer_states"]])
             set_rng_state(checkpoint.pop("ckless_rng", None))
             snapshots.resumed_at(plan.step)

@@ -130,7 +130,7 @@ def hsdp_sources(
         raise ValueError(f"hsdp_sources: reports for {_ranks(unknown)} outside a world of {world}.")
     live, lost = _live(reports, range(world))
     if not live:
-        return _fallback(lost, "no rank survived")
+        return _fallback(lost, "no rank holds trusted live state")
     if len(set(live.values())) > 1:
         return _fallback(lost, _disagreement(live))
     step = next(iter(live.values()))
@@ -200,7 +200,7 @@ def buddy_sources(
     from_buddy = {r: copies(r) for r in untrusted}
     candidates = set(live.values()).union(*(reports[r].own_steps for r in world), *from_buddy.values())
     if not live and not candidates:
-        return _fallback(untrusted, "no rank survived")
+        return _fallback(untrusted, "no rank holds trusted live state")
     for step in sorted(candidates, reverse=True):
         rollback = {r for r in world if live.get(r) != step and step in reports[r].own_steps}
         lost = [r for r in untrusted if r not in rollback]

@@ -18,6 +18,7 @@ __all__ = [
     "checkpoint_step",
     "is_complete_checkpoint",
     "latest_checkpoint",
+    "quarantine_checkpoints",
     "resolve_resume",
 ]
 
@@ -50,6 +51,27 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         if (step := checkpoint_step(p)) is not None and is_complete_checkpoint(p)
     ]
     return max(found)[1] if found else None
+
+
+def quarantine_checkpoints(directory: str | Path | None, *, after_step: int, tag: str) -> list[Path]:
+    """Rename the checkpoints of steps after ``after_step`` to ``<name>.suspect-<tag>``, so that no
+    resume picks them (they may hold state found corrupt); kept, not deleted. Safe to call from
+    every rank at once (a folder another rank renamed first is skipped). Returns what this call moved.
+    """
+    if directory is None or not Path(directory).is_dir():
+        return []
+    moved = []
+    for path in sorted(Path(directory).glob(CHECKPOINT_GLOB)):
+        step = checkpoint_step(path)
+        if step is None or step <= after_step:
+            continue
+        target = path.with_name(f"{path.name}.suspect-{tag}")
+        try:
+            path.rename(target)
+        except FileNotFoundError:  # another rank moved it first
+            continue
+        moved.append(target)
+    return moved
 
 
 def resolve_resume(resume: str, directory: str | Path) -> Path | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckless_lightning.data.config import DataConfig
+from ckless_lightning.deploy import K8sConfig
 from ckless_lightning.runtime.faults import FaultConfig, FaultSpec, plan_faults
 from ckless_lightning.runtime.logger_config import LoggerConfig
 
@@ -36,6 +37,7 @@ __all__ = [
 
 _PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 _ACCELERATORS = ("auto", "cpu", "gpu")
+_LAUNCHERS = ("auto", "slurm", "manual")
 
 
 @dataclass
@@ -56,6 +58,16 @@ class ClusterConfig:
     accelerator: str = "auto"
     # Memory per rank (GiB) assumed by the recipe's plan, e.g. 80 for an H100 80GB; informational.
     device_memory_gib: float | None = None
+    # Where node rank, node count and master_addr come from (ckless_lightning.runtime.launcher):
+    # auto (Slurm's variables inside an srun step, else the config) | slurm | manual.
+    launcher: str = "auto"
+    # "host:port" of a standalone job store (python -m ckless_lightning.store); null: node 0's agent
+    # hosts it on master_addr:master_port (then losing node 0 restarts the job).
+    store: str | None = None
+    # Standby agents the job has beyond its nodes (ckless_lightning.agent.standby): under Slurm the
+    # last spare_nodes tasks stand by; by hand, start them with cluster.standby=true.
+    spare_nodes: int = 0
+    standby: bool = False  # this agent stands by and takes the place of a node that goes silent
 
     def __post_init__(self) -> None:
         for key in ("nnodes", "nproc_per_node", "replicate"):
@@ -68,13 +80,20 @@ class ClusterConfig:
             )
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"cluster.master_port must be in 0..65535, got {self.master_port}")
-        if self.master_port == 0 and self.nnodes > 1:
+        if self.master_port == 0 and self.nnodes > 1 and self.store is None:
             raise ValueError(
                 "cluster.master_port=0 (pick a free port) only works on one node; "
-                "set cluster.master_port to a port every node can reach"
+                "set cluster.master_port to a port every node can reach (under Slurm, launch.py picks "
+                "one from the job id), or give a standalone store with cluster.store=host:port"
             )
         if self.accelerator not in _ACCELERATORS:
             raise ValueError(f"cluster.accelerator must be one of {_ACCELERATORS}, got {self.accelerator!r}")
+        if self.spare_nodes < 0:
+            raise ValueError(f"cluster.spare_nodes must be >= 0, got {self.spare_nodes}")
+        if self.launcher not in _LAUNCHERS:
+            raise ValueError(f"cluster.launcher must be one of {_LAUNCHERS}, got {self.launcher!r}")
+        if self.store is not None:
+            _ = self.store_address  # raises on anything but "host:port"
         from ckless_lightning.models.mesh import resolve_mesh  # torch: imported when a config is built
 
         self.replicate, self.shard = resolve_mesh(
@@ -88,6 +107,19 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        """The job store's (host, port): ``store`` if set, else node 0's agent on ``master_addr``."""
+        if self.store is None:
+            return self.master_addr, self.master_port
+        host, sep, port = str(self.store).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"cluster.store={self.store!r} is not host:port; give the address that "
+                "`python -m ckless_lightning.store` printed, e.g. cluster.store=10.0.0.5:29400"
+            )
+        return host.strip("[]"), int(port)
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -280,8 +312,16 @@ class ReplicationConfig:
     buddy_offset: int | None = None
     bucket_mb: float = 64.0
     loop_capacity_mb: float = 1.0
+    # Tiers 3-4 with HSDP (cluster.replicate >= 2): replicas compare a digest of their state in
+    # each commit vote, 1/digest_every of it per step, every byte once per digest_every steps;
+    # 0 switches it off (ckless_lightning.recovery.digest).
+    digest_every: int = 10
 
     def __post_init__(self) -> None:
+        if self.digest_every < 0:
+            raise ValueError(
+                f"replication.digest_every must be >= 0 (0: no state digest), got {self.digest_every}"
+            )
         if self.source not in ("auto", "hsdp", "buddy"):
             raise ValueError(f"replication.source must be auto | hsdp | buddy, got {self.source!r}")
         if self.every_n_steps < 1:
@@ -325,6 +365,8 @@ class JobConfig:
     timeline: bool = True
     # The experiment logger (the ``logger`` group); None: the default, CSV under run_dir.
     logger: LoggerConfig | None = None
+    # Render Kubernetes manifests instead of running (ckless_lightning.deploy.k8s); off by default.
+    k8s: K8sConfig = field(default_factory=K8sConfig)
 
     def __post_init__(self) -> None:
         if self.logger is None:
@@ -346,11 +388,21 @@ class JobConfig:
             )
         if self.tier == 4:
             self._check_redundancy()
-        faults = self._fault_entries()
+        faults = self.fault_entries()
         if self.tier != 4 and any(f.type == "corrupt" for f in faults):
             raise ValueError(
                 f"fault.type=corrupt corrupts a tier-4 peer-to-peer transfer, but tier={self.tier}; "
                 "use tier=4"
+            )
+        if any(f.type == "bitflip" for f in faults) and (self.tier < 3 or self.cluster.replicate < 2):
+            raise ValueError(
+                "fault.type=bitflip is found by the HSDP replicas' state digest in the commit vote: it needs "
+                f"tier=3 or 4 and cluster.replicate >= 2 (tier={self.tier}, "
+                f"cluster.replicate={self.cluster.replicate})"
+            )
+        if any(f.type == "bitflip" for f in faults) and not self.replication.digest_every:
+            raise ValueError(
+                "fault.type=bitflip would go unnoticed with replication.digest_every=0; set it to N >= 1"
             )
         if not self.data.mmap_cache and any(f.type == "reader_stall" for f in faults):
             raise ValueError(
@@ -393,7 +445,7 @@ class JobConfig:
                 "lower data.seq_len or raise model.max_seq_len"
             )
 
-    def _fault_entries(self) -> list[FaultConfig]:
+    def fault_entries(self) -> list[FaultConfig]:
         """The targeted faults of ``fault`` (a plan's entries, or the one fault; none for random/none)."""
         if self.fault.type == "plan":
             return self.fault.plan_entries()
@@ -497,6 +549,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "comm",
         "replication",
         "logger",
+        "k8s",
     }
     unknown = sorted(set(cfg) - known_top)
     if unknown:
@@ -524,4 +577,5 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         dry_run=bool(cfg.get("dry_run", False)),
         timeline=cfg.get("timeline", True),
         logger=LoggerConfig.from_mapping(cfg["logger"]) if cfg.get("logger") is not None else None,
+        k8s=build_section(K8sConfig, cfg.get("k8s"), "k8s"),
     )

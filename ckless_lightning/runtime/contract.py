@@ -23,11 +23,13 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "ENV_BATCH_CACHE",
     "ENV_GENERATION",
+    "ENV_JOB_SECRET",
+    "ENV_JOB_SECRET_FILE",
     "ENV_LAUNCHER_PID",
     "ENV_SPAWN_TIME",
     "ENV_STORE_ADDR",
@@ -49,6 +51,9 @@ ENV_STORE_PORT = "CKLESS_STORE_PORT"
 ENV_BATCH_CACHE = "CKLESS_BATCH_CACHE"  # tier 2: this node's batch cache directory
 ENV_SPAWN_TIME = "CKLESS_SPAWN_TIME"  # unix time the agent started (or assigned) the process
 ENV_LAUNCHER_PID = "CKLESS_LAUNCHER_PID"  # the agent's pid: die with it
+# The job's store secret (ckless_lightning.comm.secret): the value, or a 0600 file holding it.
+ENV_JOB_SECRET = "CKLESS_JOB_SECRET"
+ENV_JOB_SECRET_FILE = "CKLESS_JOB_SECRET_FILE"
 # Under torchrun, its restart count numbers restarts like our generations.
 _TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
@@ -61,6 +66,7 @@ class ExitCode(enum.IntEnum):
     CONFIG = 2  # launch.py: bad config or data; the message names the key or the file
     DOES_NOT_FIT = 3  # launch.py: the recipe does not fit this machine (the message has the memory plan)
     PEER_FAILED = 4  # a rank: its collective failed because a peer went away (blame the peer)
+    SUSPECT_STATE = 5  # a rank: its state disagreed with its replicas twice (suspect hardware): replace it
     FAULT_BUDGET = 75  # launch.py: EX_TEMPFAIL, fault budget spent; the scheduler may requeue the job
 
 
@@ -78,6 +84,7 @@ class RankSpec:
     generation: int
     store_addr: str
     store_port: int
+    store_secret: str = field(repr=False, default="")  # the job store's secret
     batch_cache: str | None = None  # tier 2: the node's batch cache directory
 
     def env(self, spawn_time: float) -> dict[str, str]:
@@ -93,6 +100,7 @@ class RankSpec:
             ENV_GENERATION: str(self.generation),
             ENV_STORE_ADDR: self.store_addr,
             ENV_STORE_PORT: str(self.store_port),
+            ENV_JOB_SECRET: self.store_secret,
             ENV_SPAWN_TIME: f"{spawn_time:.6f}",
             **({ENV_BATCH_CACHE: self.batch_cache} if self.batch_cache else {}),
         }
@@ -120,6 +128,7 @@ class RankContext:
     world_size: int = 1
     store_addr: str | None = None  # the agent's job store (heartbeats; tier 1+ process groups)
     store_port: int | None = None
+    store_secret: str = field(repr=False, default="")  # the job store's (CKLESS_JOB_SECRET)
     agent_pid: int | None = None
     batch_cache: str | None = None  # tier 2: this node's batch cache directory
 
@@ -141,6 +150,7 @@ class RankContext:
             world_size=int(env.get("WORLD_SIZE", "1")),
             store_addr=env.get(ENV_STORE_ADDR),
             store_port=int(store_port) if store_port else None,
+            store_secret=env.get(ENV_JOB_SECRET, ""),
             agent_pid=int(agent_pid) if agent_pid else None,
             batch_cache=env.get(ENV_BATCH_CACHE),
         )

@@ -45,6 +45,9 @@ __all__ = [
 # "chaos": the node agent sends SIGKILL or SIGSTOP to a random process of its node (a rank, a warm
 # spare, the batch-cache reader) at random wall-clock times from the job's start: start-up, steps,
 # recoveries and process-group formation alike (ckless_lightning.runtime.outside_faults.ChaosInjector).
+# "bitflip" (tiers 3-4, HSDP): flips one bit of rank fault.rank's local shard of parameter fault.tensor
+# (null: the first parameter by name) in phase fault.phase of step fault.step: silent corruption, found
+# by the replicas' state digest in the commit vote (ckless_lightning.recovery.digest).
 # "reader_stall" (tier 2+): node fault.node's batch-cache reader stops building when it reaches the
 # batch of step fault.step, still running: only the agent's progress check of the reader finds it.
 FAULT_TYPES = (
@@ -55,6 +58,7 @@ FAULT_TYPES = (
     "exception",
     "node_loss",
     "corrupt",
+    "bitflip",
     "random",
     "plan",
     "chaos",
@@ -108,6 +112,7 @@ class FaultConfig:
     mtbf_s: float = 10.0
     targets: list[str] = field(default_factory=lambda: list(CHAOS_TARGETS))
     signals: list[str] = field(default_factory=lambda: list(CHAOS_SIGNALS))
+    tensor: str | None = None  # bitflip: the parameter (its name in the model); null: the first by name
 
     def __post_init__(self) -> None:
         self.types = list(self.types)  # YAML gives a ListConfig or a tuple
@@ -150,6 +155,11 @@ class FaultConfig:
                 "fault.type=corrupt flips bytes of a tier-4 recovery transfer sent by fault.rank: "
                 "set fault.phase=transfer and fault.injected_by=inside"
             )
+        if self.type == "bitflip" and (self.phase not in STEP_PHASES or self.injected_by != "inside"):
+            raise ValueError(
+                "fault.type=bitflip flips a bit in fault.rank's parameters from inside the rank, during a "
+                f"step: set fault.injected_by=inside and fault.phase to one of {_choices(STEP_PHASES)}"
+            )
         if self.type == "reader_stall" and self.injected_by != "outside":
             raise ValueError(
                 "fault.type=reader_stall is armed by the node agent in the reader it starts: "
@@ -180,7 +190,7 @@ class FaultConfig:
 
     def plan_entries(self) -> list[FaultConfig]:
         """``plan``'s entries as targeted FaultConfigs (each validated); ValueError naming the entry."""
-        allowed = {"type", "rank", "step", "phase", "injected_by", "node"}
+        allowed = {"type", "rank", "step", "phase", "injected_by", "node", "tensor"}
         entries = []
         for i, entry in enumerate(self.plan):
             unknown = sorted(set(entry) - allowed)
@@ -189,7 +199,7 @@ class FaultConfig:
             if entry.get("type") in (None, "none", "random", "plan", "chaos"):
                 raise ValueError(
                     f"fault.plan[{i}].type must be one of kill | hang | stall | exception | node_loss | "
-                    f"corrupt, got {entry.get('type')!r}"
+                    f"corrupt | bitflip, got {entry.get('type')!r}"
                 )
             try:
                 entries.append(FaultConfig(**entry))
@@ -251,6 +261,7 @@ class FaultSpec:
     phase: str
     injected_by: str
     node: int | None = None
+    tensor: str | None = None  # bitflip: the parameter's name (None: the first by name)
 
     def __post_init__(self) -> None:
         assert self.index >= 0 and self.step >= 1 and self.rank >= 0, self
@@ -298,6 +309,7 @@ def plan_faults(
                 step=cfg.step,
                 phase=cfg.phase,
                 injected_by=cfg.injected_by,
+                tensor=cfg.tensor if cfg.type == "bitflip" else None,
             )
         ]
     rng = random.Random(cfg.seed)

@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import Logger
 from ckless_lightning.comm import Generation, JobStore
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.recovery import InProcessRecovery
+from ckless_lightning.recovery.digest import StateDigest
 from ckless_lightning.replication import SnapshotCopies
 from ckless_lightning.runtime.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
 from ckless_lightning.runtime.config import JobConfig
@@ -266,7 +267,7 @@ def _train_once(run: _RankRun) -> pl.Trainer:
     ]
     store = None
     if context.has_store:
-        store = JobStore.connect(context.store_addr, context.store_port)  # type: ignore[arg-type]
+        store = JobStore.connect(context.store_addr, context.store_port, secret=context.store_secret)  # type: ignore[arg-type]
         callbacks.append(HeartbeatCallback(store, rank=context.rank, generation=context.generation))
     strategy = CheckpointlessStrategy(
         replicate=job.cluster.replicate,
@@ -292,7 +293,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
             f"tier={job.tier} recovers through the node agent's job store; start the job with launch.py "
             "(or set CKLESS_STORE_ADDR / CKLESS_STORE_PORT to a running agent's store)"
         )
-    store = JobStore.connect(context.store_addr, context.store_port)  # type: ignore[arg-type]
+    store = JobStore.connect(context.store_addr, context.store_port, secret=context.store_secret)  # type: ignore[arg-type]
     cluster, replication = job.cluster, job.replication
     snapshots = None
     if job.tier == 4:
@@ -311,6 +312,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         faults=run.fault_callback(),
         snapshots=snapshots,
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
+        digest=StateDigest(replication.digest_every) if replication.digest_every else None,
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(
@@ -339,5 +341,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
             snapshot_cpu_s=round(recovery.record_cpu_s, 6),
             exchange_wait_s=round(recovery.settle_s, 6),
             host_copy_bytes=snapshots.host_bytes() if snapshots is not None else 0,
+            digests=recovery.digest.count if recovery.digest is not None else 0,
+            digest_s=round(recovery.digest.seconds, 6) if recovery.digest is not None else 0.0,
         )
     return trainer

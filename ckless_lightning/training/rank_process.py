@@ -53,6 +53,7 @@ __all__ = [
 # package, another torch version) is skipped.
 RANK_PATH_MODULES: tuple[str, ...] = (
     "datasets",  # ckless_lightning.data.packing imports it where used (load_prepared: tiers 0-1)
+    "encodings.latin_1",  # torch.load of a loop state holding bytes (pickle protocol 2 spells them so)
     "faulthandler",
     "multiprocessing.synchronize",
     "torch.distributed._tensor",

@@ -27,7 +27,7 @@ restore path, ``load_checkpoint``). The strategy imports none of recovery.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -43,7 +43,7 @@ from typing_extensions import override
 from ckless_lightning.comm import Generation, init_generation_process_group
 from ckless_lightning.models import build_mesh, resolve_mesh
 from ckless_lightning.replication.adopt import allocate_buffers
-from ckless_lightning.replication.state import param_groups_of
+from ckless_lightning.replication.state import local_state_tensors, param_groups_of
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
 __all__ = ["MEMORY_CHECKPOINT", "CheckpointlessStrategy", "InMemoryState"]
@@ -85,8 +85,9 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         weights_from_checkpoint: ``fit`` is given a ``ckpt_path``: the weights and optimizer state
             come from it, so the model is allocated, not initialized (a fit that then loads no
             checkpoint raises before training).
-        step_vote: tier 3+: called with the step in progress after its gradients are complete and
-            clipped, before the update (see :meth:`optimizer_step`); raises to abandon the step.
+        step_vote: tier 3+: called with the step in progress and a getter of this rank's local
+            state tensors (for the state digest) after its gradients are complete and clipped,
+            before the update (see :meth:`optimizer_step`); raises to abandon the step.
         on_leave: tier 3+: called from :meth:`on_exception` while the process group still exists,
             so that this rank's peers notice it leaving at once.
         memory: tier 4: serves ``fit(ckpt_path=MEMORY_CHECKPOINT)`` from memory.
@@ -102,7 +103,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         generation: Generation | None = None,
         on_phase: Callable[..., None] | None = None,
         weights_from_checkpoint: bool = False,
-        step_vote: Callable[[int], None] | None = None,
+        step_vote: Callable[[int, Callable[[], Sequence[torch.Tensor]]], None] | None = None,
         on_leave: Callable[[], None] | None = None,
         memory: InMemoryState | None = None,
     ) -> None:
@@ -256,8 +257,12 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         step_in_progress = (trainer.global_step + 1) if trainer is not None else 0
-        step_vote = self._step_vote
-        vote = (lambda: step_vote(step_in_progress)) if step_vote is not None else (lambda: None)
+        step_vote, module = self._step_vote, self.lightning_module
+
+        def vote() -> None:
+            if step_vote is not None and module is not None:
+                step_vote(step_in_progress, lambda: local_state_tensors(module, [optimizer]))
+
         return super().optimizer_step(_CommitThenStep(optimizer, vote), closure, model, **kwargs)
 
     @override

@@ -40,7 +40,8 @@ Injection, after :func:`~ckless_lightning.runtime.faults.claim_fault` won and
 it (the agent kills a stopped process at once); ``stall`` sleeps forever in
 this callback (the process runs: the agent's hang detection kills it); ``exception`` raises
 :class:`InjectedFault`; ``node_loss`` SIGKILLs the node's agent (its other
-ranks die with it through PR_SET_PDEATHSIG), then this process.
+ranks die with it through PR_SET_PDEATHSIG), then this process; ``bitflip`` flips one bit of
+a parameter's local shard (:func:`flip_bit`) and training goes on.
 
 The callback keeps no training state: whether a fault has fired lives in the
 marker files of ``marker_dir``, so a restarted rank skips it and the callback
@@ -66,7 +67,27 @@ from typing_extensions import override
 from ckless_lightning.runtime.faults import FaultSpec, claim_fault
 from ckless_lightning.training.steps import is_step_end
 
-__all__ = ["FaultInjectionCallback", "InjectedFault"]
+__all__ = ["FaultInjectionCallback", "InjectedFault", "flip_bit"]
+
+# A bitflip flips this bit of the first byte of the parameter's local shard: a low mantissa bit of
+# float32, the top mantissa bit of bfloat16; never an exponent bit (no inf or NaN that would
+# announce itself).
+_FLIP_MASK = 0x40
+
+
+def flip_bit(module: torch.nn.Module, name: str | None) -> str:
+    """Flip one bit of ``module``'s parameter ``name`` (None: the first by name), in this rank's
+    local shard, in place; returns the parameter's name. ValueError names the parameters."""
+    params = dict(module.named_parameters())
+    name = name if name is not None else min(params)
+    if name not in params:
+        some = ", ".join(sorted(params)[:8])
+        raise ValueError(f"fault.tensor={name!r} is not a parameter of the model; some are: {some}, ...")
+    data = params[name].data
+    local = data.to_local() if hasattr(data, "to_local") else data
+    with torch.no_grad():
+        local.reshape(-1).view(torch.uint8)[:1].bitwise_xor_(_FLIP_MASK)
+    return name
 
 
 class InjectedFault(RuntimeError):
@@ -115,6 +136,7 @@ class FaultInjectionCallback(pl.Callback):
                 "pass the pid of this node's agent, or inject the node loss from outside "
                 "(fault.injected_by=outside)"
             )
+        self._module: torch.nn.Module | None = None  # the fit's module (a bitflip's target)
         self._due: list[FaultSpec] = []  # faults of the micro-batch in flight
         self._forward_handle: RemovableHandle | None = None
         self._optimizer_handles: list[RemovableHandle] = []
@@ -125,6 +147,7 @@ class FaultInjectionCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Once per fit, after optimizers exist: hook ``optimizer`` faults onto each optimizer's step."""
         self._remove_hooks()
+        self._module = pl_module
         phases = {s.phase for s in self.specs}
         for optimizer in trainer.optimizers:
             if isinstance(optimizer, LightningOptimizer):
@@ -260,6 +283,9 @@ class FaultInjectionCallback(pl.Callback):
             assert self.node_agent_pid is not None
             os.kill(self.node_agent_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.fault_type == "bitflip":
+            assert self._module is not None, "a bitflip fires during a step, after on_train_start"
+            flip_bit(self._module, spec.tensor)
         else:
             raise AssertionError(f"unknown fault type {spec.fault_type!r}")
 

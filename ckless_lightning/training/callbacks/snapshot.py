@@ -16,7 +16,6 @@ runs in the background and is waited for before the next step's first batch.
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ckless_lightning.replication import SnapshotCopies
+from ckless_lightning.replication.loop_state import encode_loop_state
 from ckless_lightning.replication.state import (
     LiveParam,
     flat_tensors,
@@ -98,7 +98,7 @@ class SnapshotCallback(pl.Callback):
             checkpoint = dump_training_state(trainer)
         checkpoint["ckless_rng"] = rng_state()
         tensors = self.state_tensors(pl_module, trainer.optimizers)
-        self.snapshots.record(trainer.global_step, pickle.dumps(checkpoint), tensors)
+        self.snapshots.record(trainer.global_step, encode_loop_state(checkpoint), tensors)
         if self.on_first_record is not None:
             self.on_first_record()
             self.on_first_record = None
