@@ -26,6 +26,10 @@ The protocol, on a ``SOCK_SEQPACKET`` socket pair with the agent (one JSON messa
 - a request with ``"role": "spare"`` forks a warm spare instead: after ``go`` it says
   ``spare_prepared`` and waits on the same pipe for a rank assignment (one JSON line, as
   ``python -m ckless_lightning.spare`` takes on stdin), then becomes that rank.
+- a request with ``"role": "reader"`` and ``"log": path`` forks the node's batch-cache reader
+  (:mod:`ckless_lightning.data.cache_reader`, ``argv`` its arguments): its output goes to the
+  log file, and the output pipe is its ready pipe (``--ready-fd``), as for a cold reader. A
+  cold reader pays ~3-5 s of imports (torch) before it builds the first batch the ranks wait for.
 
 Each rank is forked twice so that it is the agent's child, not the server's: the agent is a
 child subreaper (``PR_SET_CHILD_SUBREAPER``), so when the intermediate process exits the rank is
@@ -129,6 +133,10 @@ def serve(argv: list[str] | None = None) -> int:
             become_rank()
             if request.get("role") == "spare":
                 return _serve_as_spare(prepared, forked_at)
+            if request.get("role") == "reader":
+                from ckless_lightning.data.cache_reader import main as run_reader
+
+                return run_reader(request["argv"])
             rank_args = _rank_parser().parse_args(request["argv"])
             return run_rank_process(rank_args.config, RankContext.from_env(), prepared=prepared)
 
@@ -191,9 +199,16 @@ def _become_rank(sock: socket.socket, request: dict[str, Any], out_fd: int, go_f
     variables, die with the agent."""
     sock.close()
     os.setsid()
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    os.close(out_fd)
+    if request.get("role") == "reader":  # output to its log; the output pipe says "ready"
+        log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        request["argv"] = [*request["argv"], "--ready-fd", str(out_fd)]
+    else:
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
     os.dup2(go_fd, 0)
     os.close(go_fd)
     if os.read(0, 3) != b"go\n":  # the agent gave up on this fork (or died): never run unsupervised

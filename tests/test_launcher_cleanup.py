@@ -12,6 +12,8 @@ import psutil
 import pytest
 from conftest import ROOT
 
+from ckless_lightning.record.events import read_events
+
 
 def start_long_run(
     tmp_path: Path, data_cache: Path, *overrides: str
@@ -66,7 +68,12 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
 
 @pytest.mark.timeout(240)
 def test_sigterm_stops_every_rank(tmp_path, data_cache):
+    """Ranks and the batch-cache reader forked from the fork server stop with the launcher."""
     proc, ranks = start_long_run(tmp_path, data_cache)
+    commands = [" ".join(p.cmdline()) for p in ranks]
+    assert not any("ckless_lightning.data.cache_reader" in c for c in commands), commands  # forked
+    (started,) = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["kind"] == "reader_started"]
+    assert started["forked"] is True and started["pid"] in [p.pid for p in ranks], started
     try:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
@@ -77,11 +84,13 @@ def test_sigterm_stops_every_rank(tmp_path, data_cache):
 
 @pytest.mark.timeout(240)
 def test_killed_launcher_takes_its_ranks_along(tmp_path, data_cache):
-    """Cold ranks and a cold warm spare (no fork server: each a ``python -m`` process of its own,
-    the path the other jobs of the tests do not take) die with a SIGKILLed launcher."""
+    """Cold ranks, a cold reader and a cold warm spare (no fork server: each a ``python -m``
+    process of its own, the path the other jobs of the tests do not take) die with a SIGKILLed
+    launcher."""
     proc, ranks = start_long_run(tmp_path, data_cache, "agent.fork_server=false")
     commands = [" ".join(p.cmdline()) for p in ranks]
     assert sum("ckless_lightning.rank" in c for c in commands) == 4, commands
+    assert sum("ckless_lightning.data.cache_reader" in c for c in commands) == 1, commands
     try:
         spare = wait_for_spare(proc)
         ranks.append(spare)

@@ -11,6 +11,10 @@ the reader said it is ready (its imports and the dataset's opening are not
 progress it owes: under load they alone took longer than a short bound); a
 reader not ready :data:`READER_START_S` after its start is restarted too. Ranks
 wait for it.
+With the node's fork server (``agent.fork_server``) the reader is forked from it, its imports
+already paid (a cold reader spends ~3-5 s importing torch while the first step waits for it): the
+first one once the server is ready (the ranks' start waits for that), a restarted one when the
+server is ready then; cold whenever there is no ready server.
 Cache directories are ``<data.mmap_cache_base>/ckless-<agent pid>-<random>``,
 owner-only: two jobs on one node never share one, and a directory whose agent
 pid is gone (an agent killed with SIGKILL) is removed by the next agent.
@@ -28,6 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ckless_lightning.agent.fork_server import ForkedProcess, ForkServer
 from ckless_lightning.agent.process_state import is_stopped, read_ready, signal_session, start_with_ready_pipe
 from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir, unbuilt_wanted_steps
 from ckless_lightning.record.events import EventLog
@@ -79,7 +84,13 @@ class BatchCacheService:
     """Owns this node's batch cache when ``data.mmap_cache`` is on; otherwise does nothing."""
 
     def __init__(
-        self, job: JobConfig, prepared_path: Path, local_ranks: list[int], events: EventLog, start_step: int
+        self,
+        job: JobConfig,
+        prepared_path: Path,
+        local_ranks: list[int],
+        events: EventLog,
+        start_step: int,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.enabled = job.data.mmap_cache
         self.job = job
@@ -90,7 +101,9 @@ class BatchCacheService:
         self.start_step = start_step * job.accumulate_grad_batches
         self.job_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.root: Path | None = None
-        self.reader: subprocess.Popen[bytes] | None = None
+        self.reader: subprocess.Popen[bytes] | ForkedProcess | None = None
+        self.fork_server = fork_server
+        self._pending_since: float | None = None  # monotonic time the first reader was due
         self.max_steps = job.trainer.max_steps * job.accumulate_grad_batches
         self._owed_since: float | None = None  # monotonic time the reader first owed a wanted step
         self._ready_fd: int | None = None  # read end of the reader's ready pipe, until it said ready
@@ -103,15 +116,19 @@ class BatchCacheService:
             return
         self._remove_orphans()
         self.root = create_cache_dir(self.base, self.job_id, self.job.cluster.node_rank)
-        self._start_reader()
+        self._pending_since = time.monotonic()
+        self._start_due_reader()
 
     def keep_running(self) -> None:
-        """Called from the agent's monitor loop: restart the reader if it died, was stopped, or
-        owes a wanted step for longer than ``data.reader_timeout_s`` (wedged while running).
+        """Called from the agent's monitor loop: start the first reader once it is due (see
+        :meth:`_start_due_reader`); restart the reader if it died, was stopped, or owes a wanted step
+        for longer than ``data.reader_timeout_s`` (wedged while running).
 
         Ranks waiting on the cache carry on once the new reader fills it (it follows their
         ``want`` files, so it resumes where they are).
         """
+        if self._pending_since is not None:
+            self._start_due_reader()
         if self.reader is None:
             return
         stopped = self.reader.poll() is None and is_stopped(self.reader.pid)
@@ -137,6 +154,18 @@ class BatchCacheService:
                 how = "was stopped (killed it)" if stopped else f"exited with {code}"
             print(f"[agent] batch cache reader {how}; restarting it", file=sys.stderr)
             self._start_reader()
+
+    def _start_due_reader(self) -> None:
+        """Start the first reader: forked once the fork server is ready; while a server is still
+        importing (the ranks' start waits for it), later, but never after :data:`READER_START_S`
+        from :meth:`start`; cold at once without a server."""
+        assert self._pending_since is not None
+        server = self.fork_server
+        waited = time.monotonic() - self._pending_since
+        if server is not None and not server.is_ready and server.is_starting and waited < READER_START_S:
+            return
+        self._pending_since = None
+        self._start_reader()
 
     def _wedged_on(self) -> tuple[int, float] | None:
         """(step, seconds) if the reader has owed a step a rank waits for longer than its bound, or
@@ -220,16 +249,39 @@ class BatchCacheService:
         log_path = Path(self.job.run_dir) / "rank_logs" / f"cache_reader.node{self.job.cluster.node_rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._close_ready_fd()
-        with log_path.open("ab") as log:
-            self.reader, read_fd = start_with_ready_pipe(
-                command, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT
-            )
+        forked = self._fork_reader(command[3:], log_path)
+        if forked is not None:
+            self.reader, read_fd = forked
+        else:
+            with log_path.open("ab") as log:
+                self.reader, read_fd = start_with_ready_pipe(
+                    command, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT
+                )
         self._ready_fd = read_fd
         self._started_mono = time.monotonic()
         self._owed_since = None  # its data.reader_timeout_s starts once it is ready
         self.events.emit(
-            "reader_started", node=self.job.cluster.node_rank, pid=self.reader.pid, root=str(self.root)
+            "reader_started",
+            node=self.job.cluster.node_rank,
+            pid=self.reader.pid,
+            root=str(self.root),
+            forked=forked is not None,
         )
+
+    def _fork_reader(self, argv: list[str], log_path: Path) -> tuple[ForkedProcess, int] | None:
+        """The reader forked from a ready fork server, and the read end of its ready pipe; None
+        (start it cold) without a ready server or when the fork fails (the server is replaced)."""
+        server = self.fork_server
+        if server is None or not server.is_ready:
+            return None
+        proc = server.fork(launcher_env(), argv, reader_log=log_path, ready_wait_s=0.0)
+        if proc is None:
+            return None
+        assert proc.stdout is not None
+        read_fd = os.dup(proc.stdout.fileno())
+        proc.stdout.close()
+        proc.stdout = None
+        return proc, read_fd
 
     def _remove_orphans(self) -> None:
         """Remove cache dirs of jobs whose agent is gone (killed with SIGKILL, so it could not clean up)."""

@@ -145,18 +145,29 @@ class ForkServer:
         with self._lock:
             return self._ready and self._proc is not None and self._proc.poll() is None
 
+    @property
+    def is_starting(self) -> bool:
+        """Whether a server runs that may still say ready (its imports in progress; never waits)."""
+        with self._lock:
+            proc = self._proc
+            return not self._ready and not self._gave_up and proc is not None and proc.poll() is None
+
     def fork(
         self,
         env: dict[str, str],
         argv: list[str],
         *,
         spare: bool = False,
+        reader_log: Path | None = None,
         ready_wait_s: float = READY_WAIT_S,
     ) -> ForkedProcess | None:
         """A rank process with ``env`` and ``argv`` (``--config PATH``), its output on a new pipe;
         None when the server cannot give one within the bounds (start the rank cold). Call
         :meth:`ready` first when ``env`` holds the time of the start (the wait comes before it).
-        With ``spare``, a warm spare instead: its ``stdin`` takes the rank assignment."""
+        With ``spare``, a warm spare instead: its ``stdin`` takes the rank assignment. With
+        ``reader_log``, the batch-cache reader (``argv``: its arguments), its output in that file
+        and its ``stdout`` the read end of its ready pipe (see :func:`~.process_state.read_ready`)."""
+        assert not (spare and reader_log is not None)
         with self._lock:
             if self._proc is None or self._sock is None or not self._wait_ready(ready_wait_s):
                 return None
@@ -169,6 +180,7 @@ class ForkServer:
                     "argv": argv,
                     "cwd": os.getcwd(),
                     **({"role": "spare"} if spare else {}),
+                    **({"role": "reader", "log": str(reader_log)} if reader_log is not None else {}),
                 }
                 socket.send_fds(self._sock, [json.dumps(request).encode()], [out_write, go_read])
                 reply = self._receive(REPLY_WAIT_S)

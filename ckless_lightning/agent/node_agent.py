@@ -140,7 +140,9 @@ class NodeAgent:
         self.store: JobStore | None = None
         self.finished: set[int] = set()  # tiers 3-4: ranks that trained to the end, stopped by us
         self.store_port = 0
-        self.batch_cache = BatchCacheService(job, prepared_path, self.local_ranks, self.events, start_step)
+        self.batch_cache = BatchCacheService(
+            job, prepared_path, self.local_ranks, self.events, start_step, fork_server=self.fork_server
+        )
         self._spares_due = False  # fill the spare pool once every local rank has done a step
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
 

@@ -54,9 +54,10 @@ line N of ``losses.jsonl``. The kinds and their fields:
     A test fault hit a process that is not a rank (``fault=chaos``; ``fault=reader_stall``: the
     reader stopped building at loader step ``step``). It costs no recovery; ``process_fault_missed``
     {target, pid}: the chosen process had exited before the signal.
-``reader_started`` {node, pid, root}, ``reader_restarted`` {node, exit_code, stopped, reason, owed_step?,
-owed_s?}
-    Tier 2+: the node's batch-cache reader was started; it was restarted because it ``exited``,
+``reader_started`` {node, pid, root, forked}, ``reader_restarted`` {node, exit_code, stopped, reason,
+owed_step?, owed_s?}
+    Tier 2+: the node's batch-cache reader was started (``forked``: from the fork server, else
+    cold); it was restarted because it ``exited``,
     was ``stopped`` (killed first), made ``no_progress`` (left ``owed_step``, which a rank waits
     for, unbuilt ``owed_s`` > ``data.reader_timeout_s`` seconds once it was ready), or was
     ``no_start`` (not ready ``owed_s`` seconds after its start; ``owed_step`` -1).
