@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_utils import assert_same_run
-from conftest import launch_job
+from conftest import TINY_HSDP_REFERENCE, launch_job
 from test_agent import events_of, job_processes
 from test_tier3 import plan_override
 
@@ -124,8 +124,10 @@ def run_job(tmp_path: Path, data_cache: Path, name: str, *overrides: str) -> Pat
 
 
 @pytest.mark.timeout(900)
-def test_a_flipped_bit_in_one_of_two_replicas_rolls_back_to_a_clean_checkpoint(tmp_path, data_cache) -> None:
-    reference = run_job(tmp_path, data_cache, "reference", *PAIRS)
+def test_a_flipped_bit_in_one_of_two_replicas_rolls_back_to_a_clean_checkpoint(
+    tmp_path, data_cache, reference_run
+) -> None:
+    reference = reference_run(*TINY_HSDP_REFERENCE)  # PAIRS' training, fault-free
     # Rank 1's first parameter, after the update of step 5; the vote of step 8 (8 % 4 == 0) compares
     # part 0: ranks 1 and 3 (shard 1's replicas) disagree. Checkpoints after step 8 - 1 - 4 = 3 may
     # hold the flip (step 6 does): set aside; the job resumes from step 3.
@@ -167,6 +169,9 @@ def test_a_flipped_replica_is_named_by_the_majority_and_a_second_flip_replaces_i
     phases = events_of(run, "rank_phase")
     loaded = {(e["gen"], e["step"]) for e in phases if e["phase"] == "state_load_done" and e["gen"] > 0}
     assert loaded == {(1, 3), (2, 6)}, loaded
+    # The second flip is injected in generation 1 by the same rank process: its event says so.
+    injected = sorted((e["step"], e["gen"]) for e in events_of(run, "fault_injected"))
+    assert injected == [(5, 0), (9, 1)], injected
     set_aside = sorted(p.name for p in (run / "checkpoints").glob("*.suspect-*"))
     assert set_aside == [f"{checkpoint_name(6)}.suspect-gen0", f"{checkpoint_name(9)}.suspect-gen1"], (
         set_aside

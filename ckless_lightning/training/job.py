@@ -168,15 +168,17 @@ class _RankRun:
         ctx = self.context
         self.events.emit("rank_phase", rank=ctx.rank, gen=ctx.generation, phase=name, **fields)
 
-    def fault_callback(self) -> FaultInjectionCallback:
-        """A fresh fault injector for this rank (one per Trainer)."""
+    def fault_callback(self, generation: Callable[[], int] | None = None) -> FaultInjectionCallback:
+        """A fresh fault injector for this rank (one per Trainer); its ``fault_injected`` events carry
+        ``generation()`` at the time of the fault (default: the generation the process started in)."""
         ctx = self.context
+        current = generation or (lambda: ctx.generation)
         return FaultInjectionCallback(
             self.specs,
             rank=ctx.rank,
             marker_dir=Path(self.job.run_dir) / "faults",
             on_inject=lambda spec: self.events.emit(
-                "fault_injected", **injected_event(spec, "inside"), gen=ctx.generation
+                "fault_injected", **injected_event(spec, "inside"), gen=current()
             ),
             node_agent_pid=ctx.agent_pid,
         )
@@ -309,7 +311,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         _generation(job, context, store),
         checkpoint_dir=job.checkpoint.dir,
         events=events,
-        faults=run.fault_callback(),
+        faults=run.fault_callback(lambda: recovery.session.generation),
         snapshots=snapshots,
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
         digest=StateDigest(replication.digest_every) if replication.digest_every else None,
@@ -317,7 +319,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(
             job,
-            callbacks=[*callbacks, run.fault_callback()],
+            callbacks=[*callbacks, run.fault_callback(lambda: recovery.session.generation)],
             strategy=strategy,
             rank=context.rank,
             generation=recovery.session.generation,  # the generation just joined
