@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("CKLESS_PROJECT_ROOT", str(ROOT))
@@ -93,6 +96,46 @@ def launch_job(
             f"exit {result.returncode}, expected {expect}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         )
     return result
+
+
+# One fault-free llama3_tiny run on 4 ranks, 12 steps, checkpoint every 5, samples recorded: the
+# reference of test_agent.py, test_tier2.py and test_slurm.py (faults there change nothing else).
+TINY_REFERENCE = ("trainer.max_steps=12", "checkpoint.every_n_steps=5", "data.record_samples=true")
+# The same training as HSDP 2x2 at tier 4, no disk checkpoint but the last: test_tier4.py's and
+# test_state_digest.py's reference (the digest and the checkpoint cadence change no bit of it).
+TINY_HSDP_REFERENCE = (
+    "recipe=llama3_tiny",
+    "trainer.max_steps=12",
+    "tier=4",
+    "cluster.replicate=2",
+    "replication.source=hsdp",
+    "checkpoint.every_n_steps=0",
+)
+REFERENCE_LOCK_TIMEOUT_S = 900  # another test process building the same run (a 4-rank job: ~1 min)
+
+
+@pytest.fixture(scope="session")
+def reference_run(data_cache: Path):
+    """``reference_run(*overrides)``: the run dir of a fault-free ``launch.py`` job with these
+    overrides, built once for the whole session, test processes included (a file lock: the
+    second process waits for the first one's run, bounded). Only for runs the tests read and
+    never change."""
+    root = data_cache.parent / "references"
+    root.mkdir(exist_ok=True)
+
+    def get(*overrides: str) -> Path:
+        key = hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
+        run = root / key
+        with FileLock(root / f"{key}.lock", timeout=REFERENCE_LOCK_TIMEOUT_S):
+            done = run / "reference.done"
+            if not done.exists():
+                if run.exists():  # a process killed while building it: build it again
+                    shutil.rmtree(run)
+                launch_job(run, data_cache, *overrides)
+                done.write_text(" ".join(overrides))
+        return run
+
+    return get
 
 
 # The slowest files (4-rank jobs), slowest first: pytest-xdist (pyproject: -n 2 --dist loadfile

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 from checkpoint_utils import assert_same_run
-from conftest import launch_command, launch_job
+from conftest import TINY_REFERENCE, launch_command, launch_job
 
 from ckless_lightning.agent.processes import failure_report
 from ckless_lightning.record.events import read_events
@@ -30,10 +30,9 @@ COMMON = (f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=5", "agent.han
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_cache) -> Path:
-    run = tmp_path_factory.mktemp("reference")
-    launch_job(run, data_cache, *COMMON)
-    return run
+def reference(reference_run) -> Path:
+    assert set(COMMON) - {"agent.hang_timeout=8"} <= set(TINY_REFERENCE)
+    return reference_run(*TINY_REFERENCE)  # COMMON's training, fault-free
 
 
 def assert_same_training(run: Path, reference: Path, scratch: Path) -> None:

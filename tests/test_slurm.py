@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from checkpoint_utils import assert_same_run
-from conftest import ROOT, launch_command, launch_job
+from conftest import ROOT, TINY_REFERENCE, launch_command
 
 from ckless_lightning.record.events import read_events
 
@@ -25,10 +25,9 @@ SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_cache) -> Path:
-    run = tmp_path_factory.mktemp("reference")
-    launch_job(run, data_cache, *COMMON)  # one node, 4 ranks, no fault
-    return run
+def reference(reference_run) -> Path:
+    assert set(COMMON) - {"agent.hang_timeout=8"} <= set(TINY_REFERENCE)
+    return reference_run(*TINY_REFERENCE)  # COMMON's training on one node, 4 ranks, no fault
 
 
 def kinds(run: Path, kind: str) -> list[dict]:
