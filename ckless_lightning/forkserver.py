@@ -27,9 +27,10 @@ The protocol, on a ``SOCK_SEQPACKET`` socket pair with the agent (one JSON messa
   ``spare_prepared`` and waits on the same pipe for a rank assignment (one JSON line, as
   ``python -m ckless_lightning.spare`` takes on stdin), then becomes that rank.
 - a request with ``"role": "reader"`` and ``"log": path`` forks the node's batch-cache reader
-  (:mod:`ckless_lightning.data.cache_reader`, ``argv`` its arguments): its output goes to the
-  log file, and the output pipe is its ready pipe (``--ready-fd``), as for a cold reader. A
-  cold reader pays ~3-5 s of imports (torch) before it builds the first batch the ranks wait for.
+  (:func:`~ckless_lightning.data.reader_process.run_reader_process`, ``argv`` its arguments):
+  its output goes to the log file, and the output pipe is its ready pipe (``--ready-fd``), as
+  for a cold reader. A cold reader pays ~3-5 s of imports (torch) before it builds the first
+  batch the ranks wait for.
 
 Each rank is forked twice so that it is the agent's child, not the server's: the agent is a
 child subreaper (``PR_SET_CHILD_SUBREAPER``), so when the intermediate process exits the rank is
@@ -134,9 +135,9 @@ def serve(argv: list[str] | None = None) -> int:
             if request.get("role") == "spare":
                 return _serve_as_spare(prepared, forked_at)
             if request.get("role") == "reader":
-                from ckless_lightning.data.cache_reader import main as run_reader
+                from ckless_lightning.data.reader_process import run_reader_process
 
-                return run_reader(request["argv"])
+                return run_reader_process(request["argv"])
             rank_args = _rank_parser().parse_args(request["argv"])
             return run_rank_process(rank_args.config, RankContext.from_env(), prepared=prepared)
 

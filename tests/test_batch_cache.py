@@ -29,7 +29,7 @@ from ckless_lightning.data.batch_cache import (
     remove_cache_dir,
     source_tag,
 )
-from ckless_lightning.data.cache_reader import consumer_wants, run_reader, window_steps
+from ckless_lightning.data.reader_process import consumer_wants, run_reader, window_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 MBS, ROW = 3, 9
