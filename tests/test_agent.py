@@ -95,7 +95,9 @@ def test_fault_recovers_bitwise(tmp_path, data_cache, reference, tier, fault, in
     assert detected[0]["reason"] == ("hang" if fault == "hang" else "exit"), detected
     if fault == "hang":
         assert detected[0]["completed_step"] == 7 and detected[0]["stopped"] is True, detected
-        assert detected[0]["t"] - injected[0]["t"] <= 2.0, "a stopped rank must be found within a pass or two"
+        # found by its process state within a pass or two; agent.hang_timeout=60 would take 60 s
+        # (the margin is for a loaded machine)
+        assert detected[0]["t"] - injected[0]["t"] <= 15.0, "a stopped rank must be found by its state"
     loads = [e for e in events_of(run, "rank_phase") if e["phase"] == "state_load_done" and e["gen"] == 1]
     assert sorted(e["rank"] for e in loads) == [0, 1, 2, 3] and {e["step"] for e in loads} == {5}
     if tier == 1:
@@ -128,7 +130,7 @@ def test_rank_stopped_during_startup_is_replaced(tmp_path, data_cache, reference
         job.kill()
     detection = events_of(run, "fault_detected")[0]
     assert (detection["rank"], detection["completed_step"], detection["stopped"]) == (3, -1, True)
-    assert detection["t"] - stopped_at <= 2.0
+    assert detection["t"] - stopped_at <= 15.0  # by its process state: agent.startup_timeout is 600 s
     assert_same_training(run, reference, tmp_path)
     assert not job_processes(run)
 

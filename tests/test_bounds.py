@@ -61,7 +61,7 @@ def test_group_formation_ends_when_the_generation_moves_on(store):
     assert not any(t.is_alive() for t in threads)
     assert sorted(errors) == [0, 1]
     assert all("generation 0 ended (now 1)" in str(e) for e in errors.values()), errors
-    assert took < 2.0, f"formation noticed the new generation after {took:.2f} s"
+    assert took < 10.0, f"formation noticed the new generation after {took:.2f} s"  # not its 60 s bound
 
 
 @pytest.mark.timeout(60)
@@ -100,7 +100,7 @@ def test_join_barrier_gives_up_after_join_timeout(store):
     start = time.monotonic()
     with pytest.raises(JobGaveUp, match=r"1 of 2 ranks joined .*no process of ranks 1 reached it"):
         session.join()
-    assert 1.0 <= time.monotonic() - start < 5.0
+    assert 1.0 <= time.monotonic() - start < 10.0
     assert "comm.join_timeout_s=1" in store.giveup_reason()
     assert store.rank_heartbeats([0])[0].phase == "recovery"
 
@@ -182,8 +182,8 @@ def test_generation_watch_cuts_a_rank_left_behind_and_nothing_else(store):
     leaves.stop()  # this rank started leaving within the grace
     time.sleep(0.6)
     left_behind.stop()
-    # woken by the move, not by a poll: the cut comes one grace after it
-    assert len(cuts) == 1 and 0.3 <= cuts[0] - moved < 0.3 + 0.1, cuts
+    # woken by the move, not by its bounded re-check (600 s): the cut comes one grace after it
+    assert len(cuts) == 1 and 0.3 <= cuts[0] - moved < 0.3 + 5.0, cuts
     assert left_behind.fired and not leaves.fired
 
 

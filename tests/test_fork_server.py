@@ -71,7 +71,7 @@ def test_forked_rank_is_the_agents_child_and_a_stopped_server_is_replaced(server
     os.kill(first, signal.SIGSTOP)
     started = time.monotonic()
     assert server.fork(launcher_env(), ["--config", str(missing)]) is None
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 8  # at once, not after the 10 s reply bound
     assert not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
     lost = [e for e in _events(events) if e["kind"] == "forkserver_lost"]
     assert [e["reason"] for e in lost] == ["stopped"]

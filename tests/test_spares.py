@@ -251,7 +251,7 @@ def test_spare_handed_a_rank_imports_nothing_and_pool_refills(tmp_path, data_cac
     )
     # The hand-over itself is milliseconds (a JSON line and the environment); a spare that still
     # parsed the config or imported anything here would take far longer.
-    assert phases["spare_ready"]["handover_s"] < 1.0, phases["spare_ready"]
+    assert phases["spare_ready"]["handover_s"] < 3.0, phases["spare_ready"]
     (late,) = [e for e in events_of(run, "spare_imports") if e["rank"] == 1]
     assert late["count"] == 0, f"imported after the hand-over: {late['names']}"
 
@@ -265,5 +265,5 @@ def test_spare_handed_a_rank_imports_nothing_and_pool_refills(tmp_path, data_cac
     # With the fork server (the default), spares are forked from it: ready in moments, no imports.
     assert all(e.get("forked") for e in events_of(run, "spare_started")), events_of(run, "spare_started")
     assert ready["start_s"] < 5.0, ready
-    assert refills[0]["pid"] != ready["pid"] and loaded <= refills[0]["t"] < loaded + 5.0, refills
+    assert refills[0]["pid"] != ready["pid"] and loaded <= refills[0]["t"] < loaded + 15.0, refills
     assert not job_processes(run), [p.info["cmdline"] for p in job_processes(run)]

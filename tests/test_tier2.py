@@ -133,7 +133,9 @@ def test_reader_killed_or_stopped_mid_run_is_restarted(two_jobs_reader_signalled
     assert [e["forked"] for e in started] == [True, True], started  # from the fork server, both
     (restarted,) = [e for e in events if e["kind"] == "reader_restarted"]
     assert restarted["stopped"] is (sig == "STOP")
-    assert restarted["t"] - signalled[sig] <= 2.0, "the agent took too long to notice the reader"
+    # noticed by the reader's exit or process state within a pass or two, not by its progress
+    # bound (data.reader_timeout_s, 30 s); the margin is for a loaded machine
+    assert restarted["t"] - signalled[sig] <= 15.0, "the agent took too long to notice the reader"
     assert_same_training(runs[sig], reference, tmp_path)
 
 
@@ -176,7 +178,7 @@ def test_a_wedged_reader_is_restarted_after_its_timeout_and_no_rank_is_blamed(
     assert (stalled["target"], stalled["signal"], stalled["step"]) == ("reader", "stall", 6)
     (restarted,) = [e for e in events if e["kind"] == "reader_restarted"]
     assert (restarted["reason"], restarted["owed_step"]) == ("no_progress", 6), restarted
-    assert timeout_s < restarted["owed_s"] <= timeout_s + 1.0, restarted  # one agent pass past the bound
+    assert timeout_s < restarted["owed_s"] <= timeout_s + 5.0, restarted  # an agent pass past the bound
     assert not [e for e in events if e["kind"] in ("fault_detected", "generation")]
     assert_same_training(run, reference, tmp_path)
     assert not list(base.iterdir())
