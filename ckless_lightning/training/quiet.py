@@ -8,7 +8,10 @@ report of a dead rank showed a deprecation warning as its "last lines"):
 - torch's deprecation of ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` helper
   still does (a ``FutureWarning`` attributed to ``lightning.pytorch.utilities._pytree``);
 - ``ModelCheckpoint``'s "Checkpoint directory ... exists and is not empty" for ``checkpoint.dir``:
-  the job's own directory, which a resumed or recovered fit finds full by design.
+  the job's own directory, which a resumed or recovered fit finds full by design;
+- Lightning's "The `srun` command is available on your system but is not used" on any machine
+  with Slurm installed: our ranks are started and supervised by the node agent (under Slurm,
+  one agent per ``srun`` task), never by ``srun`` directly, so its hint is wrong here.
 
 Nothing else is filtered: other warnings of those modules, and the same warnings from other
 code, still show. Re-check when upgrading Lightning or torch.
@@ -25,6 +28,7 @@ from pathlib import Path
 __all__ = ["quiet_known_noise"]
 
 _TIP_LOGGER = "lightning.pytorch.utilities.rank_zero"
+_SRUN_HINT = r"The `srun` command is available on your system but is not used"
 
 
 class _DropTips(logging.Filter):
@@ -42,6 +46,7 @@ def quiet_known_noise(checkpoint_dir: str | Path | None = None) -> None:
         message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+    warnings.filterwarnings("ignore", message=_SRUN_HINT)
     if checkpoint_dir is not None:
         ours = re.escape(os.path.realpath(checkpoint_dir))  # ModelCheckpoint names it by its real path
         warnings.filterwarnings("ignore", message=rf"Checkpoint directory {ours} exists and is not empty")
