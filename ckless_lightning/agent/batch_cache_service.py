@@ -213,10 +213,7 @@ class BatchCacheService:
     def _start_reader(self) -> None:
         assert self.root is not None
         data = self.job.data
-        command = [
-            sys.executable,
-            "-m",
-            "ckless_lightning.data.cache_reader",
+        args = [  # the reader's arguments, cold or forked
             "--prepared",
             str(self.prepared_path),
             "--root",
@@ -245,14 +242,15 @@ class BatchCacheService:
         stall = self._stall.pop() if self._stall else None
         if stall is not None and claim_fault(Path(self.job.run_dir) / "faults", stall):
             # the batch of optimizer step N (1-based) is loader step (N - 1) x accumulation
-            command += ["--stall-at-step", str((stall.step - 1) * self.job.accumulate_grad_batches)]
+            args += ["--stall-at-step", str((stall.step - 1) * self.job.accumulate_grad_batches)]
         log_path = Path(self.job.run_dir) / "rank_logs" / f"cache_reader.node{self.job.cluster.node_rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._close_ready_fd()
-        forked = self._fork_reader(command[3:], log_path)
+        forked = self._fork_reader(args, log_path)
         if forked is not None:
             self.reader, read_fd = forked
         else:
+            command = [sys.executable, "-m", "ckless_lightning.data.cache_reader", *args]
             with log_path.open("ab") as log:
                 self.reader, read_fd = start_with_ready_pipe(
                     command, env=launcher_env(), stdout=log, stderr=subprocess.STDOUT
