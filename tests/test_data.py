@@ -335,7 +335,7 @@ def test_loader_length_and_bounds(toy_dataset):
 def test_loader_state_round_trip(toy_dataset):
     reference = _take(_loader(toy_dataset, 1), 20)
     loader = _loader(toy_dataset, 1)
-    assert loader.state_dict() == {"next_step": 0, "seed": 7, "dp_rank": 1, "dp_size": 3}
+    assert loader.state_dict() == {"next_step": 0, "seed": 7, "dp_rank": 1, "dp_size": 3, "accumulate": 1}
     it = iter(loader)
     for _ in range(5):
         next(it)
@@ -362,6 +362,49 @@ def test_loader_state_round_trip(toy_dataset):
         _loader(toy_dataset, 1, seed=8).load_state_dict(state)
     with pytest.raises(ValueError, match="data-parallel ranks"):
         _loader(toy_dataset, 1, dp_size=2, mbs=3).load_state_dict(state)
+
+
+def _step_samples(loaders, accumulate, step):
+    """The sample ids of optimizer step ``step`` (0-based) over every rank and micro-batch."""
+    return sorted(
+        i
+        for loader in loaders
+        for k in range(accumulate)
+        for i in loader.sample_indices(step * accumulate + k)
+    )
+
+
+def test_an_optimizer_steps_samples_do_not_depend_on_the_data_parallel_width(toy_dataset):
+    # An elastic job's global batch of 12: 6 ranks x 1 micro-batch, 3 x 2, 2 x 3 (mbs 2).
+    widths = {6: 1, 3: 2, 2: 3}
+    loaders = {
+        d: [_loader(toy_dataset, r, dp_size=d, accumulate=a) for r in range(d)] for d, a in widths.items()
+    }
+    per_epoch = N_SAMPLES // 12
+    assert all(ls[0].steps_per_epoch == per_epoch * widths[d] for d, ls in loaders.items())
+    seen = []
+    for step in range(2 * per_epoch + 1):  # across an epoch boundary
+        samples = {d: _step_samples(ls, widths[d], step) for d, ls in loaders.items()}
+        assert samples[6] == samples[3] == samples[2], step
+        assert len(set(samples[6])) == 12
+        seen.append(samples[6])
+    first_epoch = [i for s in seen[:per_epoch] for i in s]
+    assert len(first_epoch) == len(set(first_epoch)) == per_epoch * 12  # each sample once per epoch
+
+
+def test_an_elastic_loader_resumes_a_state_saved_at_another_width(toy_dataset):
+    saved = _loader(toy_dataset, 1, dp_size=3, accumulate=2, elastic=True)
+    saved.set_start_step(10)  # optimizer step 5 of 3 x 2 micro-batches
+    narrow = _loader(toy_dataset, 0, dp_size=2, accumulate=3, elastic=True)
+    narrow.load_state_dict(saved.state_dict())
+    assert narrow.state_dict()["next_step"] == 15  # optimizer step 5 of 2 x 3
+    with pytest.raises(ValueError, match="data-parallel ranks"):  # not elastic: refused as before
+        _loader(toy_dataset, 0, dp_size=2, accumulate=3).load_state_dict(saved.state_dict())
+    with pytest.raises(ValueError, match="global_batch_size"):  # another global batch: refused
+        _loader(toy_dataset, 0, dp_size=2, accumulate=2, elastic=True).load_state_dict(saved.state_dict())
+    saved.set_start_step(11)  # inside an optimizer step
+    with pytest.raises(ValueError, match="micro-batch 1 of optimizer step 6"):
+        narrow.load_state_dict(saved.state_dict())
 
 
 def test_loader_on_prepared_data(stdlib_cache):

@@ -234,6 +234,8 @@ class BatchCacheService:
             str(self.start_step),
             "--max-steps",
             str(self.job.trainer.max_steps * self.job.accumulate_grad_batches),
+            "--accumulate",
+            str(self.job.accumulate_grad_batches),
             "--parent-pid",
             str(os.getpid()),
             "--events",

@@ -27,6 +27,11 @@ trains), fires due outside faults
 ``fault=chaos``'s :class:`~ckless_lightning.runtime.outside_faults.ChaosInjector`) and
 sleeps ``agent.monitor_interval``.
 
+A lost slot (``fault=slot_lost``: a rank's device gone, no spare) has no process: the agent
+starts nothing in its place until the job completed ``fault.return_step``, then starts one in
+the job's current generation (an elastic job trains without that rank's replica meanwhile,
+and grows back once it is whole: :mod:`ckless_lightning.recovery.elastic`).
+
 Detection: a rank process exits non-zero (its exit code or signal); a rank's
 heartbeat goes stale (``agent.hang_timeout`` once it has done a step,
 ``agent.startup_timeout`` before: it is killed); another node's agent stops
@@ -71,6 +76,7 @@ from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import ExitCode, RankSpec
+from ckless_lightning.runtime.faults import FaultSpec
 from ckless_lightning.runtime.outside_faults import ChaosInjector, OutsideFaultInjector
 
 __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
@@ -143,6 +149,7 @@ class NodeAgent:
         self.batch_cache = BatchCacheService(
             job, prepared_path, self.local_ranks, self.events, start_step, fork_server=self.fork_server
         )
+        self.lost_slots: dict[int, int | None] = {}  # rank -> the completed step its device is back after
         self._spares_due = False  # fill the spare pool once every local rank has done a step
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
 
@@ -258,7 +265,7 @@ class NodeAgent:
         current = self.store.generation()
         codes = {rank: proc.poll() for rank, proc in self.ranks.items()}
         codes.update({rank: 0 for rank in self.finished})
-        beats = self.store.rank_heartbeats(self.local_ranks)
+        beats = self.store.rank_heartbeats([r for r in self.local_ranks if r not in self.lost_slots])
         cfg = self.cfg
         stale = tuple(
             rank
@@ -291,8 +298,12 @@ class NodeAgent:
     def _tend(self, gen: int, beats: Mapping[int, Heartbeat]) -> None:
         """All is well: keep the batch cache reader running, tend the spares, fire due outside faults."""
         self.batch_cache.keep_running()
-        # New spares start only while every local rank trains: not while ranks start or recover.
-        training = all(beat.completed_step >= 0 and beat.phase == "step" for beat in beats.values())
+        self._return_slots()
+        # New spares start only while every local rank trains (or stands by, elastic): not while
+        # ranks start or recover.
+        training = all(
+            beat.completed_step >= 0 and beat.phase in ("step", "standby") for beat in beats.values()
+        )
         if self._spares_due and training:
             self.spares.fill()
             self._spares_due = False
@@ -300,10 +311,60 @@ class NodeAgent:
         if self.fork_server is not None:
             self.fork_server.tend()  # replaces a fork server that died or was stopped
         self.outside_faults.inject_due(
-            gen, beats, pid_of=lambda rank: self.ranks[rank].pid, kill_ranks=self._kill_ranks
+            gen,
+            beats,
+            pid_of=lambda rank: self.ranks[rank].pid,
+            kill_ranks=self._kill_ranks,
+            lose_slot=self._lose_slot,
         )
         if self.chaos is not None:
             self.chaos.inject_due(gen, self._live_processes(), beats)
+
+    def _lose_slot(self, spec: FaultSpec) -> None:
+        """``fault=slot_lost``: rank ``spec.rank``'s device is gone: kill the rank, start nothing for it
+        until the job completed ``spec.return_step`` (:meth:`_return_slots`)."""
+        proc = self.ranks.pop(spec.rank)
+        proc.kill()
+        proc.proc.wait()
+        self.lost_slots[spec.rank] = spec.return_step
+        self.events.emit("slot_lost", rank=spec.rank, node=self.node, return_step=spec.return_step)
+        back = "never" if spec.return_step is None else f"once step {spec.return_step} is complete"
+        print(
+            f"[agent{self.node}] rank {spec.rank}'s device is lost (fault=slot_lost): nothing replaces it; "
+            f"it comes back {back}",
+            file=sys.stderr,
+        )
+
+    def _return_slots(self) -> None:
+        """Start a process for each lost slot whose device is back (the job completed its return step),
+        in the job's current generation."""
+        due = [rank for rank, back in self.lost_slots.items() if back is not None]
+        if not due:
+            return
+        assert self.store is not None
+        beats = self.store.rank_heartbeats(list(range(self.cluster.world_size)))
+        completed = max(beat.completed_step for beat in beats.values())
+        for rank in due:
+            if completed < self.lost_slots[rank]:  # type: ignore[operator]
+                continue
+            del self.lost_slots[rank]
+            gen = self.store.generation()
+            proc = self.start_rank(rank, gen)
+            self.events.emit("slot_returned", rank=rank, node=self.node, gen=gen, completed_step=completed)
+            self.events.emit(
+                "ranks_started",
+                gen=gen,
+                node=self.node,
+                ranks=[rank],
+                pids=[proc.pid],
+                warm=[proc.warm],
+                forked=[proc.forked],
+            )
+            print(
+                f"[agent{self.node}] rank {rank}'s device is back after step {completed}: started it in "
+                f"generation {gen}",
+                file=sys.stderr,
+            )
 
     def _live_processes(self) -> dict[str, dict[int, int]]:
         """This node's live processes by kind (chaos targets): ranks by rank, spares and reader by pid."""
@@ -355,19 +416,20 @@ class NodeAgent:
 
     # -- ranks -----------------------------------------------------------------
     def start_ranks(self, gen: int) -> None:
-        """Start every local rank in generation ``gen``; emits ``ranks_started``."""
+        """Start every local rank (but lost slots) in generation ``gen``; emits ``ranks_started``."""
         assert self.store is not None
-        for rank in self.local_ranks:
+        ranks = [r for r in self.local_ranks if r not in self.lost_slots]
+        for rank in ranks:
             self.start_rank(rank, gen)
         self.store.mark_started(gen, self.node)
         self.events.emit(
             "ranks_started",
             gen=gen,
             node=self.node,
-            ranks=self.local_ranks,
-            pids=[self.ranks[r].pid for r in self.local_ranks],
-            warm=[self.ranks[r].warm for r in self.local_ranks],
-            forked=[self.ranks[r].forked for r in self.local_ranks],
+            ranks=ranks,
+            pids=[self.ranks[r].pid for r in ranks],
+            warm=[self.ranks[r].warm for r in ranks],
+            forked=[self.ranks[r].forked for r in ranks],
         )
 
     def start_rank(self, rank: int, gen: int) -> RankProcess:

@@ -65,7 +65,7 @@ def _blame_class(code: int) -> int:
 
 def silence_limit(beat: Heartbeat, cfg: AgentConfig) -> float:
     """How long a running rank may stay silent after ``beat`` before it counts as hung."""
-    if beat.phase == "recovery":
+    if beat.phase in ("recovery", "standby"):  # standby: an elastic job's rank outside the generation
         return cfg.recovery_timeout
     if beat.phase == "save":
         return cfg.save_timeout

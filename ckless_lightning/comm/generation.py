@@ -30,6 +30,9 @@ class Generation:
         join_timeout_s: the longest join barrier before this generation (``comm.join_timeout_s``).
         stuck_grace_s: how long this rank may stay in the generation once the job left it
             (``comm.stuck_grace_s``); then its generation watch cuts its connections.
+        active: an elastic generation that trains some of the job's ranks: their job ranks, in the
+            order of their ranks here (``rank`` and ``world_size`` are this generation's); None:
+            every job rank, rank ``r`` is job rank ``r``.
     """
 
     store: JobStore
@@ -41,10 +44,16 @@ class Generation:
     init_timeout_s: float = 60.0
     join_timeout_s: float = 900.0
     stuck_grace_s: float = 0.25
+    active: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert self.mesh[0] * self.mesh[1] == self.world_size, (self.mesh, self.world_size)
         assert 0 <= self.rank < self.world_size, (self.rank, self.world_size)
+        assert self.active is None or len(self.active) == self.world_size, (self.active, self.world_size)
+
+    def job_rank(self, rank: int) -> int:
+        """The job rank of this generation's ``rank`` (store keys that outlive a generation use it)."""
+        return rank if self.active is None else self.active[rank]
 
     def next(self, number: int) -> Generation:
         """The same rank in generation ``number``."""

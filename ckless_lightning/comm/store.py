@@ -19,7 +19,8 @@ key                                value                                        
 ``job``                            set by the host when the store opens (the secret check)       host
 ``job_started``                    counter: node 0's first agent starts the job (job_start)     agent 0
 ``gen``                            the current generation (an int, only raised, compare_set)   agent, rank
-``restart/<g>``                    unix time generation ``g`` began (the restart budget)       advancer
+``restart/<g>``                    unix time generation ``g`` began (the restart budget; not   advancer
+                                   written for an elastic resize)
 ``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
 ``gen<g>/moved/<rank>``            the job left ``g``: wakes ``rank``'s generation watch         advancer
                                    (or the rank itself, to release its own watch)
@@ -36,6 +37,10 @@ key                                value                                        
 ``done/<g>/<node>``                a node's ranks all finished in generation ``g``             agent
 ``member/<rank>``                  the generation the rank's current process belongs to        agent, rank
 ``gen<g>/joined``                  tiers 3-4: counter of ranks that joined ``g`` (barrier)     rank
+``gen<g>/active``                  elastic: the job ranks training in ``g`` (``0,1,4,5``), set  rank
+                                   once: by a resize before ``g`` exists, else at the first
+                                   join (the previous generation's set)
+``standby/<rank>``                 elastic: the generation the rank stands by in (-1: none)     rank
 ``gen<g>/vote/<step>``             tiers 3-4: counter of votes for the step in progress        rank
 ``gen<g>/decision/<step>``         ``commit``, ``abandon`` or ``disagree ...``, once           rank
 ``gen<g>/digest/<rank>``           HSDP: ``<step> <digest>``, posted before each vote          rank
@@ -65,6 +70,14 @@ __all__ = ["GenerationChanged", "Heartbeat", "JobStore", "StoreRefused", "connec
 # How long a client waits for the host's ``job`` key after connecting (the host writes it right
 # after it starts listening, so a longer wait means another job's store or a wrong secret).
 _JOB_KEY_WAIT_S = 10.0
+
+
+def _encode_ranks(ranks: tuple[int, ...]) -> str:
+    return ",".join(map(str, ranks))
+
+
+def _ranks_of(raw: bytes) -> tuple[int, ...]:
+    return tuple(int(r) for r in raw.decode().split(",") if r)
 
 
 class StoreRefused(RuntimeError):
@@ -187,7 +200,12 @@ class JobStore:
         return self._tcp.add("gen", 0)
 
     def advance_generation(
-        self, seen: int, *, world_size: int, announce: Callable[[int], None] | None = None
+        self,
+        seen: int,
+        *,
+        world_size: int,
+        announce: Callable[[int], None] | None = None,
+        restart: bool = True,
     ) -> int:
         """Move from generation ``seen`` to ``seen + 1`` unless someone already moved on.
 
@@ -196,10 +214,13 @@ class JobStore:
         is called with the new generation by the first caller only, job-wide.
         Every caller that finds the job at ``seen + 1`` also wakes the generation
         watches of ``seen``'s ``world_size`` ranks (one request; see :meth:`wait_moved`).
+        ``restart=False`` (an elastic resize, not a fault): the new generation does not count
+        against the restart budget.
         """
         current = int(self._tcp.compare_set("gen", str(seen), str(seen + 1)))
         if current == seen + 1:
-            self._tcp.set(f"restart/{seen + 1}", f"{time.time():.6f}")
+            if restart:
+                self._tcp.set(f"restart/{seen + 1}", f"{time.time():.6f}")
             self._tcp.multi_set([f"gen{seen}/moved/{r}" for r in range(world_size)], ["1"] * world_size)
             if self._tcp.add(f"announced/{current}", 1) == 1 and announce is not None:
                 announce(current)
@@ -342,6 +363,36 @@ class JobStore:
 
     def joined(self, gen: int) -> int:
         return self._tcp.add(f"gen{gen}/joined", 0)
+
+    # -- elastic membership (tier 4, elastic.enabled) -----------------------
+    def active_ranks(self, gen: int, world_size: int) -> tuple[int, ...]:
+        """The job ranks that train in generation ``gen``; fixed by the first call (or a resize's
+        :meth:`propose_active`): the latest earlier generation's set, or all ``world_size`` ranks."""
+        key = f"gen{gen}/active"
+        if not self._tcp.check([key]):
+            inherited = tuple(range(world_size))
+            for earlier in range(gen - 1, -1, -1):
+                if self._tcp.check([f"gen{earlier}/active"]):
+                    inherited = _ranks_of(self._tcp.get(f"gen{earlier}/active"))
+                    break
+            return _ranks_of(self._tcp.compare_set(key, "", _encode_ranks(inherited)))
+        return _ranks_of(self._tcp.get(key))
+
+    def propose_active(self, gen: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """Make ``ranks`` generation ``gen``'s set unless it has one; returns the set that stands."""
+        return _ranks_of(self._tcp.compare_set(f"gen{gen}/active", "", _encode_ranks(ranks)))
+
+    def set_standby(self, rank: int, gen: int) -> None:
+        """``rank`` stands by in generation ``gen`` (-1: it trains, or left)."""
+        self._tcp.set(f"standby/{rank}", str(gen))
+
+    def standby(self, ranks: list[int]) -> dict[int, int]:
+        """The generation each of ``ranks`` stands by in (-1: none, or never said)."""
+        present = [r for r in ranks if self._tcp.check([f"standby/{r}"])]
+        values = self._tcp.multi_get([f"standby/{r}" for r in present]) if present else []
+        out = dict.fromkeys(ranks, -1)
+        out.update({r: int(raw) for r, raw in zip(present, values, strict=True)})
+        return out
 
     # -- the step-commit vote (tiers 3-4) -----------------------------------
     def vote(self, gen: int, step: int) -> int:

@@ -73,14 +73,16 @@ _WAIT_POLL_S = 0.005
 _WAIT_NOTICE_S = 1.0
 
 
-def source_tag(prepared_path: str | Path, seed: int, dp_size: int, micro_batch_size: int) -> str:
+def source_tag(
+    prepared_path: str | Path, seed: int, dp_size: int, micro_batch_size: int, accumulate: int = 1
+) -> str:
     """The ``source_tag`` that writer and readers of one job must share.
 
-    Built from the prepared dataset's directory name (its content key), the seed and the dp
-    layout, so entries left by a run with other data or another world size fail verification
-    instead of being served.
+    Built from the prepared dataset's directory name (its content key), the seed, the dp
+    layout and the accumulation (it orders the samples within an optimizer step), so entries
+    left by a run with other data or another world size fail verification instead of being served.
     """
-    return f"{Path(prepared_path).name}/seed={seed}/dp_size={dp_size}/mbs={micro_batch_size}"
+    return f"{Path(prepared_path).name}/seed={seed}/dp_size={dp_size}/mbs={micro_batch_size}/acc={accumulate}"
 
 
 @dataclass(frozen=True)

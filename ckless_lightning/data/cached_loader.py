@@ -37,6 +37,8 @@ class CachedStepBatchLoader(StepBatchLoader):
         dp_size: int,
         start_step: int = 0,
         max_steps: int | None = None,
+        accumulate: int = 1,
+        elastic: bool = False,
     ) -> None:
         super().__init__(
             None,
@@ -47,6 +49,8 @@ class CachedStepBatchLoader(StepBatchLoader):
             start_step=start_step,
             max_steps=max_steps,
             num_samples=num_samples,
+            accumulate=accumulate,
+            elastic=elastic,
         )
         assert layout.dp_ranks[local_index] == dp_rank, (layout.dp_ranks, local_index, dp_rank)
         self.reader = BatchCacheReader(layout)

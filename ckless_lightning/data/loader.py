@@ -2,15 +2,18 @@
 
 Checkpointless recovery restarts a rank at an arbitrary step without replaying the data
 pipeline, so nothing about the next batch may depend on iteration history. A "step" here
-is the loader's batch index: one micro-batch per rank per step; mapping optimizer steps
-(with gradient accumulation) to loader steps is the caller's job.
+is the loader's batch index: one micro-batch per rank per step, ``accumulate`` loader steps
+per optimizer step.
 
-The rule: ``G = micro_batch_size * dp_size`` samples per step, ``steps_per_epoch =
-num_samples // G`` (the remainder is skipped each epoch), epoch ``e = step //
-steps_per_epoch`` reads the samples in a seeded random permutation of the whole dataset,
-step ``s`` takes the ``G``-slice ``(s % steps_per_epoch) * G`` of it, and dp rank ``r``
-takes the ``r``-th ``micro_batch_size`` chunk of that slice. No sample repeats within an
-epoch, and the union over ranks of one step is exactly that step's slice.
+The rule, by global sample index: optimizer step ``n`` takes the samples at positions
+``[n * B, (n + 1) * B)`` of the sample stream, ``B = micro_batch_size * dp_size * accumulate``
+(the global batch); the stream is epoch after epoch of a seeded random permutation of the
+whole dataset, ``num_samples // B`` optimizer steps per epoch (the remainder is skipped each
+epoch). Within its step, micro-batch ``k`` of dp rank ``r`` is the ``micro_batch_size`` chunk
+at offset ``k * micro_batch_size * dp_size + r * micro_batch_size``. No sample repeats within
+an epoch, the union over ranks and micro-batches of one optimizer step is exactly that step's
+slice, and that slice does not depend on the data-parallel width: an elastic job that trains
+a step at another width (``accumulate`` changed with it) reads the same samples.
 """
 
 from __future__ import annotations
@@ -69,7 +72,11 @@ class StepBatchLoader:
         start_step: int = 0,
         max_steps: int | None = None,
         num_samples: int | None = None,
+        accumulate: int = 1,
+        elastic: bool = False,
     ) -> None:
+        if accumulate < 1:
+            raise ValueError(f"accumulate={accumulate} (micro-batches per optimizer step) must be >= 1.")
         if micro_batch_size < 1:
             raise ValueError(f"data.micro_batch_size={micro_batch_size} must be positive.")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -85,15 +92,18 @@ class StepBatchLoader:
         # A subclass that serves batches from elsewhere (the tier-2 batch cache) passes
         # ``num_samples`` and no dataset; the epoch arithmetic stays the same.
         self.num_samples = len(dataset) if num_samples is None else num_samples
-        self.global_batch_size = micro_batch_size * dp_size
-        self.steps_per_epoch = self.num_samples // self.global_batch_size
-        if self.steps_per_epoch == 0:
+        self.accumulate = accumulate
+        self.elastic = elastic  # load_state_dict accepts a state saved at another dp width
+        self.global_batch_size = micro_batch_size * dp_size * accumulate  # samples per optimizer step
+        optimizer_steps = self.num_samples // self.global_batch_size
+        if optimizer_steps == 0:
             raise ValueError(
                 f"the dataset has {self.num_samples} samples, fewer than one global batch of "
-                f"data.micro_batch_size * world size = {micro_batch_size} * {dp_size} = "
-                f"{self.global_batch_size}; "
-                "lower data.micro_batch_size, use fewer ranks or add data."
+                f"data.micro_batch_size * world size * accumulation = {micro_batch_size} * {dp_size} * "
+                f"{accumulate} = {self.global_batch_size}; "
+                "lower trainer.global_batch_size or data.micro_batch_size, or add data."
             )
+        self.steps_per_epoch = optimizer_steps * accumulate  # loader steps
         self._start_step = self._check_step(start_step)
         self._yield_next = self._start_step
         #: Committed next step, owned by the training module; ``None`` until it sets one.
@@ -118,8 +128,13 @@ class StepBatchLoader:
         """Dataset row indices of ``dp_rank``'s micro-batch at ``step`` (default: this rank)."""
         rank = self.dp_rank if dp_rank is None else dp_rank
         assert 0 <= rank < self.dp_size, f"dp_rank {rank} outside [0, {self.dp_size})"
-        epoch, within = divmod(self._check_step(step), self.steps_per_epoch)
-        begin = within * self.global_batch_size + rank * self.micro_batch_size
+        optimizer_step, micro = divmod(self._check_step(step), self.accumulate)
+        epoch, within = divmod(optimizer_step, self.steps_per_epoch // self.accumulate)
+        begin = (
+            within * self.global_batch_size
+            + micro * self.micro_batch_size * self.dp_size
+            + rank * self.micro_batch_size
+        )
         return self._permutation(epoch)[begin : begin + self.micro_batch_size].tolist()
 
     def batch(self, step: int) -> dict[str, Any]:
@@ -164,7 +179,13 @@ class StepBatchLoader:
     def state_dict(self) -> dict[str, int]:
         """Lightning's resumable-loader hook; see the class docstring for ``next_step``."""
         next_step = self.position if self.position is not None else self._yield_next
-        return {"next_step": next_step, "seed": self.seed, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+        return {
+            "next_step": next_step,
+            "seed": self.seed,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "accumulate": self.accumulate,
+        }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume at ``state_dict["next_step"]`` on the next ``__iter__``; the sample order must match."""
@@ -176,11 +197,27 @@ class StepBatchLoader:
                 f"loader state was saved with data.seed={state_dict['seed']}, this run uses {self.seed}: "
                 "resuming would read a different sample order. Set data.seed back or start a fresh run."
             )
+        next_step = int(state_dict["next_step"])
         if state_dict["dp_size"] != self.dp_size:
-            raise ValueError(
-                f"loader state was saved with {state_dict['dp_size']} data-parallel ranks, this run has "
-                f"{self.dp_size}: the global batch and sample order differ. Resume with the same world size "
-                "or start a fresh run."
-            )
-        self.set_start_step(int(state_dict["next_step"]))
+            next_step = self._rescaled(state_dict)
+        self.set_start_step(next_step)
         self.position = None
+
+    def _rescaled(self, state_dict: dict[str, int]) -> int:
+        """An elastic job's state saved at another dp width: the same optimizer step at this one."""
+        saved_dp, saved_accumulate = int(state_dict["dp_size"]), int(state_dict.get("accumulate", 1))
+        saved_batch = self.micro_batch_size * saved_dp * saved_accumulate
+        if not self.elastic or saved_batch != self.global_batch_size:
+            raise ValueError(
+                f"loader state was saved with {saved_dp} data-parallel ranks x {saved_accumulate} "
+                f"micro-batches, this run has {self.dp_size} x {self.accumulate}: the global batch and "
+                "sample order differ. Resume with the same world size (or, elastic.enabled, the same "
+                "trainer.global_batch_size) or start a fresh run."
+            )
+        optimizer_step, micro = divmod(int(state_dict["next_step"]), saved_accumulate)
+        if micro:
+            raise ValueError(
+                f"loader state at micro-batch {micro} of optimizer step {optimizer_step + 1} cannot move "
+                "to another data-parallel width: only a state saved between optimizer steps can"
+            )
+        return optimizer_step * self.accumulate

@@ -147,6 +147,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lookback", type=int, default=4)
     parser.add_argument("--start-step", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--parent-pid", type=int, default=None, help="die with this parent (the node agent)")
     parser.add_argument(
         "--stall-at-step", type=int, default=None, help="fault injection: stop building at this step"
@@ -169,7 +170,12 @@ def run_reader_process(argv: Sequence[str] | None = None) -> int:
     dataset = load_prepared(args.prepared)
     loaders = {
         r: StepBatchLoader(
-            dataset, seed=args.seed, micro_batch_size=args.micro_batch_size, dp_rank=r, dp_size=args.dp_size
+            dataset,
+            seed=args.seed,
+            micro_batch_size=args.micro_batch_size,
+            dp_rank=r,
+            dp_size=args.dp_size,
+            accumulate=args.accumulate,
         )
         for r in args.dp_ranks
     }
@@ -178,7 +184,7 @@ def run_reader_process(argv: Sequence[str] | None = None) -> int:
         dp_ranks=args.dp_ranks,
         micro_batch_size=args.micro_batch_size,
         row_len=len(dataset[0]["input_ids"]),
-        source_tag=source_tag(args.prepared, args.seed, args.dp_size, args.micro_batch_size),
+        source_tag=source_tag(args.prepared, args.seed, args.dp_size, args.micro_batch_size, args.accumulate),
     )
     if args.ready_fd is not None:  # imports done, dataset open: from now on it owes progress
         with os.fdopen(args.ready_fd, "wb") as ready:

@@ -114,6 +114,11 @@ class StepCommit:
         # The vote of step s sees the state after step s - 1; a corruption first seen now happened
         # after step s - 1 - every (its part was compared, and agreed, at most `every` votes ago).
         trusted = max(0, step - 1 - self.digest.every)
+        # Named by job rank (an elastic generation's ranks are not the job's): what outlives the step.
+        job_rank = self.generation.job_rank
+        compared = {job_rank(r) for g in self.groups if set(g) & set(suspects) for r in g}
+        suspects = [job_rank(r) for r in suspects]
+        digests = {job_rank(r): d for r, d in digests.items()}
         counts = {r: store.count_disagreement(r) for r in suspects}
         self.on_disagreement(
             step=step,
@@ -121,7 +126,7 @@ class StepCommit:
             suspects=suspects,
             times=counts,
             trusted_step=trusted,
-            digests={r: digests[r] for g in self.groups if set(g) & set(suspects) for r in g},
+            digests={r: digests[r] for r in sorted(compared)},
         )
         return f"{_DISAGREE} {','.join(map(str, suspects))} {trusted}"
 

@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +49,7 @@ from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import reset_peak_rss, rss_bytes
 from ckless_lightning.recovery.commit import StateDisagreement, StepCommit
 from ckless_lightning.recovery.digest import StateDigest
+from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 from ckless_lightning.recovery.memory import MemoryRestore
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
@@ -96,6 +98,11 @@ class InProcessRecovery:
         snapshots: tier 4: this rank's :class:`SnapshotCopies`; recoveries then restore from
             memory (``MEMORY_CHECKPOINT``) instead of the last disk checkpoint.
         bucket_bytes: tier 4: transfer bucket size.
+        digest: HSDP: the state digest the replicas compare in each commit vote.
+        elastic: an elastic HSDP job's rules (:mod:`~ckless_lightning.recovery.elastic`): a
+            generation may train a subset of the job's ranks; this rank then stands by outside it,
+            and each generation's strategy gets the subset's view (its rank among them, their
+            mesh). ``make_trainer`` sees it in ``strategy.generation``.
     """
 
     def __init__(
@@ -108,8 +115,9 @@ class InProcessRecovery:
         snapshots: SnapshotCopies | None = None,
         bucket_bytes: int = 64 << 20,
         digest: StateDigest | None = None,
+        elastic: ElasticPolicy | None = None,
     ) -> None:
-        self.generation = generation
+        self.generation = generation  # the job's view: every rank, the full mesh
         self.store: JobStore = generation.store
         self.rank = generation.rank
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -123,7 +131,10 @@ class InProcessRecovery:
             join_timeout_s=generation.join_timeout_s,
             on_phase=self._phase,
             announce=self._announce if events is not None else None,
+            elastic=elastic,
+            on_standby=self._on_standby,
         )
+        self.elastic = elastic
         self.snapshots = snapshots
         self.bucket_bytes = bucket_bytes
         # HSDP: replicas compare state digests in the vote (None: no replicas, or switched off)
@@ -185,8 +196,9 @@ class InProcessRecovery:
         datamodule: pl.LightningDataModule | None = None,
         ckpt_path: str | Path | None = None,
         after_fit: Callable[[pl.Trainer], None] | None = None,
-    ) -> pl.Trainer:
-        """Train to the end; returns the Trainer of the generation that finished.
+    ) -> pl.Trainer | None:
+        """Train to the end; returns the Trainer of the generation that finished (None: this rank of an
+        elastic job stood by when the job finished).
 
         ``ckpt_path`` is where the job starts (generation 0); a process started in
         a later generation (a replacement) and every recovery resume from the
@@ -203,7 +215,8 @@ class InProcessRecovery:
             )
         finally:
             where.stop()
-        self.store.mark_rank_finished(self.rank)
+        if trainer is not None:
+            self.store.mark_rank_finished(self.rank)
         return trainer
 
     def _fit(
@@ -214,7 +227,7 @@ class InProcessRecovery:
         datamodule: pl.LightningDataModule | None,
         ckpt_path: str | Path | None,
         after_fit: Callable[[pl.Trainer], None] | None,
-    ) -> pl.Trainer:
+    ) -> pl.Trainer | None:
         resume: str | Path | None = ckpt_path
         recovering = self.session.generation > 0
         left_after: int | None = None  # the completed step, while between generations
@@ -223,7 +236,7 @@ class InProcessRecovery:
             try:
                 if left_after is not None and self.faults is not None:
                     self.faults.on_recovery(left_after)
-                gen = self.generation.next(self.session.join())
+                gen = self._view(self.session.join())
                 self._watch(gen.number)
                 left_after = None
                 if recovering:
@@ -239,6 +252,9 @@ class InProcessRecovery:
             except JobGaveUp:
                 self._unwatch()
                 raise
+            except StandbyEnded as ended:
+                print(f"{ended}: nothing left to train", file=sys.stderr)
+                return None
             except Exception as err:  # any fault: leave this generation and rejoin the next
                 self._unwatch()
                 self._count_votes()
@@ -264,6 +280,32 @@ class InProcessRecovery:
             self._phase("state_released", gen, rss=rss_bytes(), peak_reset=reset_peak_rss(), gc_s=gc_s)
 
     # -- pieces --------------------------------------------------------------------------------------
+    def _view(self, number: int) -> Generation:
+        """Generation ``number`` as this rank trains in it: the job's view, or an elastic generation's
+        (this rank's place among the ranks that train, their mesh)."""
+        active = self.session.active
+        if self.elastic is None or len(active) == self.generation.world_size:
+            return self.generation.next(number)
+        return replace(
+            self.generation,
+            number=number,
+            rank=active.index(self.rank),
+            world_size=len(active),
+            mesh=self.elastic.mesh(active),
+            active=active,
+        )
+
+    def _on_standby(self, gen: int) -> None:
+        """From the session: this rank stands by in ``gen`` (its replica is out of the job). Its state
+        will be stale when the replica rejoins: drop it (the rejoin copies a live replica's)."""
+        if self.snapshots is not None:
+            self.snapshots.capture_live(None, trusted=False)
+        print(
+            f"rank {self.rank}: standing by in generation {gen} (its replica is out of the job until "
+            "every rank of it is back)",
+            file=sys.stderr,
+        )
+
     def _strategy(self, gen: Generation, resume: str | Path | None) -> CheckpointlessStrategy:
         """Generation ``gen``'s strategy, handed the vote, the leave hook and (tier 4) the memory restore;
         ``resume`` is what its ``fit`` restores from (weights are then not initialized)."""
@@ -486,10 +528,20 @@ class InProcessRecovery:
             self.votes += self.commit.votes
             self.commit = None
 
-    def _announce(self, gen: int) -> None:
-        """This rank moved the job to generation ``gen`` first (job-wide): record it once."""
+    def _announce(self, gen: int, reason: str = "fault", **fields: Any) -> None:
+        """This rank moved the job to generation ``gen`` first (job-wide): record it once. An elastic
+        resize (``reason`` shrink or grow) also records the new set (``elastic_resize``)."""
         assert self.events is not None
-        self.events.emit("generation", gen=gen, reason="fault")
+        self.events.emit("generation", gen=gen, reason=reason)
+        if reason in ("shrink", "grow"):
+            assert self.elastic is not None
+            active = fields.get("active", [])
+            self.events.emit("elastic_resize", gen=gen, reason=reason, dp_size=len(active), **fields)
+            print(
+                f"rank {self.rank}: generation {gen} trains on {fields.get('replicas')} of "
+                f"{self.elastic.replicate} replicas ({reason})",
+                file=sys.stderr,
+            )
 
     def _emit(self, kind: str, gen: int, **fields: Any) -> None:
         if self.events is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,8 @@ class MemoryRestore:
             assert snapshots.live_params is not None
             adopt_optimizer_state(module, optimizers, snapshots.live_params)
         reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, snapshots.report())
+        # By this generation's rank: an elastic generation's ranks are a subset of the job's.
+        dist.all_gather_object(reports, replace(snapshots.report(), rank=rank))
         by_rank = {r.rank: r for r in reports}  # type: ignore[union-attr]
         tensors = local_state_tensors(module, optimizers, allocate=True)
         exclude: frozenset[Transfer] = frozenset()

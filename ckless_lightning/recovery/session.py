@@ -10,6 +10,10 @@ Through the job store (:class:`~ckless_lightning.comm.JobStore`):
   generation's process groups before every rank has left the old ones
   (re-forming gloo groups while a peer still holds the old generation failed
   2 times in 5 when measured; with the barrier, 5 in 5).
+- elastic jobs (:mod:`~ckless_lightning.recovery.elastic`): the generation's set of training
+  ranks. The barrier counts that set; a rank outside it stands by until a generation takes it
+  back (or the job ends); a barrier that waits ``agent.replace_timeout`` for a rank with no
+  process shrinks the job, and a standby replica that is whole again grows it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from collections.abc import Callable
 
 from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.recovery.commit import GenerationChanged
+from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 
-__all__ = ["GenerationSession", "JobGaveUp"]
+__all__ = ["GenerationSession", "JobGaveUp", "StandbyEnded"]
 
 _BEAT_S = 1.0  # heartbeat refresh while waiting in the barrier
+_STANDBY_POLL_S = 0.05  # a standby rank's look at the job's generation and its replica
 
 
 class JobGaveUp(RuntimeError):
@@ -33,7 +39,8 @@ class GenerationSession:
     """This rank's view of the generations. Not thread-safe; one per rank process.
 
     ``completed_step`` is the last optimizer step this rank completed (-1 until known); it goes into
-    the heartbeats written while waiting, so the agent sees a live rank.
+    the heartbeats written while waiting, so the agent sees a live rank. ``active`` is the set of job
+    ranks training in the generation last joined (all of them unless ``elastic``).
     """
 
     def __init__(
@@ -44,8 +51,10 @@ class GenerationSession:
         world_size: int,
         generation: int,
         join_timeout_s: float = 900.0,
-        on_phase: Callable[[str, int], None] | None = None,
-        announce: Callable[[int], None] | None = None,
+        on_phase: Callable[..., None] | None = None,
+        announce: Callable[..., None] | None = None,
+        elastic: ElasticPolicy | None = None,
+        on_standby: Callable[[int], None] | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -53,13 +62,16 @@ class GenerationSession:
         self.generation = generation
         self.completed_step = -1
         self.join_timeout_s = join_timeout_s
-        self._on_phase = on_phase or (lambda phase, gen: None)
+        self._on_phase = on_phase or (lambda phase, gen, **fields: None)
         self._announce = announce
+        self.elastic = elastic
+        self._on_standby = on_standby or (lambda gen: None)
+        self.active: tuple[int, ...] = tuple(range(world_size))
 
-    def beat_recovering(self, gen: int | None = None) -> None:
+    def beat_recovering(self, gen: int | None = None, phase: str = "recovery") -> None:
         """Tell the agent this rank is recovering (``agent.recovery_timeout`` applies, not hang_timeout)."""
         gen = self.generation if gen is None else gen
-        self.store.set_rank_heartbeat(self.rank, Heartbeat(gen, self.completed_step, time.time(), "recovery"))
+        self.store.set_rank_heartbeat(self.rank, Heartbeat(gen, self.completed_step, time.time(), phase))
 
     def leave(self) -> int:
         """Leave the current generation (after dropping its process groups); returns the next one.
@@ -84,32 +96,47 @@ class GenerationSession:
         ``join_timeout_s`` in one generation (a rank that never comes: a lost
         node nobody replaces); then it gives the job up itself, naming the
         missing ranks, and the agents exit 75 for the scheduler to requeue.
+        An elastic job's rank outside the generation's set stands by instead (:meth:`_stand_by`);
+        raises :class:`StandbyEnded` if the job finishes meanwhile.
         """
         while True:
             current = max(self.generation, self.store.generation())
             self.generation = current
             self.store.set_member(self.rank, current)
+            active = self._active(current)
+            if self.rank not in active:
+                self._stand_by(current, active)
+                continue
             joined = self.store.join(current)
             try:
-                self._wait_for_all(joined, current)
+                self._wait_for_all(joined, current, active)
             except GenerationChanged:
                 continue
+            self.active = active
             self._on_phase("generation_joined", current)
             return current
 
-    def _wait_for_all(self, joined: int, gen: int) -> None:
+    def _active(self, gen: int) -> tuple[int, ...]:
+        if self.elastic is None:
+            return tuple(range(self.world_size))
+        return self.store.active_ranks(gen, self.world_size)
+
+    def _wait_for_all(self, joined: int, gen: int, active: tuple[int, ...]) -> None:
         pause = 1e-4
         next_beat = 0.0
-        deadline = time.monotonic() + self.join_timeout_s
-        while joined < self.world_size:
+        start = time.monotonic()
+        deadline = start + self.join_timeout_s
+        while joined < len(active):
             if time.monotonic() >= deadline:
-                self._give_up_joining(gen, joined)
+                self._give_up_joining(gen, joined, active)
             now = time.time()
             if now >= next_beat:
                 self.beat_recovering(gen)
                 reason = self.store.giveup_reason()
                 if reason is not None:
                     raise JobGaveUp(reason)
+                if self.elastic is not None and time.monotonic() - start >= self.elastic.replace_timeout_s:
+                    self._shrink_if_lost(gen, active)
                 next_beat = now + _BEAT_S
             current = self.store.generation()
             if current != gen:
@@ -118,8 +145,78 @@ class GenerationSession:
             pause = min(pause * 2, 0.01)
             joined = self.store.joined(gen)
 
-    def _give_up_joining(self, gen: int, joined: int) -> None:
-        members = {rank: self.store.member(rank) for rank in range(self.world_size)}
+    # -- elastic -------------------------------------------------------------------------------------
+    def _shrink_if_lost(self, gen: int, active: tuple[int, ...]) -> None:
+        """``agent.replace_timeout`` passed in ``gen``'s barrier: if some ranks of the set have no
+        process in it (nothing replaced them), move the job on without their replicas."""
+        assert self.elastic is not None
+        missing = {r for r in active if self.store.member(r) < gen}
+        if not missing:
+            return
+        kept = self.elastic.without(active, missing)
+        if kept is None:
+            return  # fewer than elastic.min_replicas would be left: wait for the lost ranks
+        self._resize(gen, kept, "shrink", missing=sorted(missing))
+
+    def _resize(self, gen: int, ranks: tuple[int, ...], reason: str, **fields: object) -> None:
+        """Move the job from ``gen`` to a generation that trains ``ranks`` (unless another resize or a
+        fault fixed the next generation first: that one stands, and this rank follows it)."""
+        assert self.elastic is not None
+        standing = self.store.propose_active(gen + 1, ranks)
+
+        def announce(new: int) -> None:
+            if self._announce is not None:
+                self._announce(
+                    new,
+                    reason=reason,
+                    active=list(standing),
+                    replicas=len(standing) // self.elastic.shard,  # type: ignore[union-attr]
+                    **fields,
+                )
+
+        self.store.advance_generation(gen, world_size=self.world_size, announce=announce, restart=False)
+
+    def _stand_by(self, gen: int, active: tuple[int, ...]) -> None:
+        """Outside ``gen``'s set: wait, beating, until the job leaves ``gen`` (return), finishes
+        (:class:`StandbyEnded`) or gives up (:class:`JobGaveUp`); grow the job back once this rank's
+        replica stands by whole. No other bound: a lost device may never come back, and the
+        training ranks' own bounds end the job if it stalls."""
+        assert self.elastic is not None
+        self.store.set_standby(self.rank, gen)
+        self._on_standby(gen)
+        self._on_phase("standby", gen, active=list(active))
+        replica = self.elastic.replica_of(self.rank)
+        peers = list(self.elastic.replica_ranks(replica))
+        next_beat = 0.0
+        try:
+            while self.store.generation() == gen:
+                now = time.time()
+                if now >= next_beat:
+                    self.beat_recovering(gen, phase="standby")
+                    reason = self.store.giveup_reason()
+                    if reason is not None:
+                        raise JobGaveUp(reason)
+                    next_beat = now + _BEAT_S
+                if self.store.ranks_finished() > 0:
+                    raise StandbyEnded(
+                        f"rank {self.rank}: the job finished while it stood by in generation {gen}"
+                    )
+                if all(g == gen for g in self.store.standby(peers).values()) and self._may_grow(active):
+                    self._resize(gen, self.elastic.with_replica(active, replica), "grow", returning=peers)
+                    return
+                time.sleep(_STANDBY_POLL_S)
+        finally:
+            self.store.set_standby(self.rank, -1)
+
+    def _may_grow(self, active: tuple[int, ...]) -> bool:
+        assert self.elastic is not None
+        beats = self.store.rank_heartbeats(list(active))
+        completed = max(beat.completed_step for beat in beats.values())
+        return self.store.ranks_finished() == 0 and self.elastic.may_grow(completed)
+
+    def _give_up_joining(self, gen: int, joined: int, active: tuple[int, ...] | None = None) -> None:
+        active = tuple(range(self.world_size)) if active is None else active
+        members = {rank: self.store.member(rank) for rank in active}
         behind = sorted(rank for rank, member in members.items() if member < gen)
         who = (
             f"no process of ranks {', '.join(map(str, behind))} reached it"
@@ -127,7 +224,7 @@ class GenerationSession:
             else "every rank has a process in it, some never finished starting"
         )
         reason = (
-            f"generation {gen}: {joined} of {self.world_size} ranks joined within "
+            f"generation {gen}: {joined} of {len(active)} ranks joined within "
             f"comm.join_timeout_s={self.join_timeout_s:g} s ({who})"
         )
         self.store.give_up(reason)

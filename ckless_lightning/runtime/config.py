@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "CommConfig",
+    "ElasticConfig",
     "JobConfig",
     "LoggerConfig",
     "OptimConfig",
@@ -226,7 +227,9 @@ class AgentConfig:
     is killed at once, in any phase; so is a stopped batch-cache reader or spare.
     More than ``max_restarts`` restarts within ``restart_window_s`` spends the
     fault budget: the agents stop the job and exit with code 75 (EX_TEMPFAIL),
-    for Slurm or Kubernetes to requeue it.
+    for Slurm or Kubernetes to requeue it. ``replace_timeout`` (elastic jobs,
+    ``elastic.enabled``): how long the job waits for a lost rank's replacement before
+    it goes on without that rank's replica.
     """
 
     spares: int = 0
@@ -240,6 +243,7 @@ class AgentConfig:
     restart_window_s: float = 3600.0
     monitor_interval: float = 0.1
     stop_grace_s: float = 10.0
+    replace_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.spares < 0:
@@ -254,6 +258,7 @@ class AgentConfig:
             "node_timeout",
             "restart_window_s",
             "monitor_interval",
+            "replace_timeout",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(
@@ -338,6 +343,27 @@ class ReplicationConfig:
         return nproc_per_node if nnodes >= 2 else 1
 
 
+@dataclass
+class ElasticConfig:
+    """Elastic HSDP: keep training on the complete replicas when a lost rank has no replacement.
+
+    With ``enabled`` (tier 4, ``cluster.replicate >= 2``), a rank lost with nothing to replace it
+    within ``agent.replace_timeout`` takes its replica out of the job: its surviving ranks stand by
+    and the others train on, at least ``min_replicas`` replicas, with the same global batch (more
+    gradient accumulation: ``trainer.global_batch_size`` must divide by every width it can reach).
+    When the lost rank is back, its replica rejoins with its state from a live replica.
+    """
+
+    enabled: bool = False
+    min_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"elastic.enabled must be true or false, got {self.enabled!r}")
+        if self.min_replicas < 1:
+            raise ValueError(f"elastic.min_replicas must be >= 1, got {self.min_replicas}")
+
+
 AVAILABLE_TIERS = (0, 1, 2, 3, 4)
 
 
@@ -358,6 +384,7 @@ class JobConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     tier: int = 0
     seed: int = 1234
     dry_run: bool = False
@@ -388,7 +415,14 @@ class JobConfig:
             )
         if self.tier == 4:
             self._check_redundancy()
+        if self.elastic.enabled:
+            self._check_elastic()
         faults = self.fault_entries()
+        if self.tier < 3 and any(f.type == "slot_lost" for f in faults):
+            raise ValueError(
+                f"fault.type=slot_lost leaves a rank without a process, but tier={self.tier} restarts every "
+                "rank on a fault; use tier=3 or 4 (with elastic.enabled the job goes on without it)"
+            )
         if self.tier != 4 and any(f.type == "corrupt" for f in faults):
             raise ValueError(
                 f"fault.type=corrupt corrupts a tier-4 peer-to-peer transfer, but tier={self.tier}; "
@@ -481,9 +515,48 @@ class JobConfig:
                     "(null picks the next node)"
                 )
 
+    def _check_elastic(self) -> None:
+        """Elastic HSDP's needs: tier 4's replica restore, and a global batch every width divides."""
+        cluster, elastic = self.cluster, self.elastic
+        if (
+            self.tier != 4
+            or cluster.replicate < 2
+            or self.replication.resolved_source(cluster.replicate) != "hsdp"
+        ):
+            raise ValueError(
+                "elastic.enabled needs tier=4, cluster.replicate >= 2 and replication.source=hsdp (a replica "
+                f"that rejoins takes its state from a live one); got tier={self.tier}, "
+                f"cluster.replicate={cluster.replicate}, replication.source={self.replication.source}"
+            )
+        if not elastic.min_replicas < cluster.replicate:
+            raise ValueError(
+                f"elastic.min_replicas={elastic.min_replicas} leaves no replica to lose with "
+                f"cluster.replicate={cluster.replicate}; choose 1..{cluster.replicate - 1}"
+            )
+        for replicas in range(elastic.min_replicas, cluster.replicate + 1):
+            per_step = self.data.micro_batch_size * replicas * cluster.shard
+            if self.trainer.global_batch_size % per_step:
+                raise ValueError(
+                    f"trainer.global_batch_size={self.trainer.global_batch_size} does not divide into "
+                    f"{replicas} replicas x {cluster.shard} ranks x data.micro_batch_size="
+                    f"{self.data.micro_batch_size}, a width elastic.min_replicas={elastic.min_replicas} "
+                    "allows; "
+                    f"use a multiple of {per_step} or raise elastic.min_replicas"
+                )
+        if self.agent.replace_timeout >= self.comm.join_timeout_s:
+            raise ValueError(
+                f"agent.replace_timeout={self.agent.replace_timeout:g} must be shorter than "
+                f"comm.join_timeout_s={self.comm.join_timeout_s:g}: the join barrier gives the job up first"
+            )
+
     @property
     def accumulate_grad_batches(self) -> int:
-        return self.trainer.global_batch_size // (self.data.micro_batch_size * self.cluster.world_size)
+        return self.accumulate_at(self.cluster.world_size)
+
+    def accumulate_at(self, dp_size: int) -> int:
+        """Micro-batches per optimizer step at data-parallel width ``dp_size`` (elastic: fewer ranks,
+        more micro-batches, the same global batch)."""
+        return self.trainer.global_batch_size // (self.data.micro_batch_size * dp_size)
 
     def fault_specs(self) -> list[FaultSpec]:
         """The job's fault schedule (``fault:``), the same on every rank and agent."""
@@ -548,6 +621,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "agent",
         "comm",
         "replication",
+        "elastic",
         "logger",
         "k8s",
     }
@@ -572,6 +646,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         comm=build_section(CommConfig, cfg.get("comm"), "comm"),
         fault=build_section(FaultConfig, cfg.get("fault"), "fault"),
         replication=build_section(ReplicationConfig, cfg.get("replication"), "replication"),
+        elastic=build_section(ElasticConfig, cfg.get("elastic"), "elastic"),
         tier=int(cfg.get("tier", 0)),
         seed=int(cfg.get("seed", 1234)),
         dry_run=bool(cfg.get("dry_run", False)),

@@ -50,6 +50,10 @@ __all__ = [
 # by the replicas' state digest in the commit vote (ckless_lightning.recovery.digest).
 # "reader_stall" (tier 2+): node fault.node's batch-cache reader stops building when it reaches the
 # batch of step fault.step, still running: only the agent's progress check of the reader finds it.
+# "slot_lost" (tiers 3-4, from outside): rank fault.rank's device is lost in step fault.step: its
+# agent kills the rank and has nothing to start in its place until the job has completed step
+# fault.return_step (null: never), as with no spare and no free GPU (elastic.enabled: the job goes on
+# without the rank's replica meanwhile).
 FAULT_TYPES = (
     "none",
     "kill",
@@ -63,6 +67,7 @@ FAULT_TYPES = (
     "plan",
     "chaos",
     "reader_stall",
+    "slot_lost",
 )
 NODE_FAULT_TYPES = ("node_loss", "reader_stall")  # they name a node, not a rank
 CHAOS_TARGETS = ("rank", "spare", "reader", "forkserver")
@@ -113,6 +118,7 @@ class FaultConfig:
     targets: list[str] = field(default_factory=lambda: list(CHAOS_TARGETS))
     signals: list[str] = field(default_factory=lambda: list(CHAOS_SIGNALS))
     tensor: str | None = None  # bitflip: the parameter (its name in the model); null: the first by name
+    return_step: int | None = None  # slot_lost: the completed step after which the device is back
 
     def __post_init__(self) -> None:
         self.types = list(self.types)  # YAML gives a ListConfig or a tuple
@@ -160,6 +166,16 @@ class FaultConfig:
                 "fault.type=bitflip flips a bit in fault.rank's parameters from inside the rank, during a "
                 f"step: set fault.injected_by=inside and fault.phase to one of {_choices(STEP_PHASES)}"
             )
+        if self.type == "slot_lost" and self.injected_by != "outside":
+            raise ValueError(
+                "fault.type=slot_lost takes a device away from the rank's node agent: set "
+                "fault.injected_by=outside (or use fault=slot_lost)"
+            )
+        if self.return_step is not None and (self.type != "slot_lost" or self.return_step <= self.step):
+            raise ValueError(
+                f"fault.return_step={self.return_step} is read by fault.type=slot_lost only, and must come "
+                f"after fault.step={self.step} (null: the device never comes back)"
+            )
         if self.type == "reader_stall" and self.injected_by != "outside":
             raise ValueError(
                 "fault.type=reader_stall is armed by the node agent in the reader it starts: "
@@ -190,7 +206,7 @@ class FaultConfig:
 
     def plan_entries(self) -> list[FaultConfig]:
         """``plan``'s entries as targeted FaultConfigs (each validated); ValueError naming the entry."""
-        allowed = {"type", "rank", "step", "phase", "injected_by", "node", "tensor"}
+        allowed = {"type", "rank", "step", "phase", "injected_by", "node", "tensor", "return_step"}
         entries = []
         for i, entry in enumerate(self.plan):
             unknown = sorted(set(entry) - allowed)
@@ -199,7 +215,7 @@ class FaultConfig:
             if entry.get("type") in (None, "none", "random", "plan", "chaos"):
                 raise ValueError(
                     f"fault.plan[{i}].type must be one of kill | hang | stall | exception | node_loss | "
-                    f"corrupt | bitflip, got {entry.get('type')!r}"
+                    f"corrupt | bitflip | slot_lost, got {entry.get('type')!r}"
                 )
             try:
                 entries.append(FaultConfig(**entry))
@@ -262,6 +278,7 @@ class FaultSpec:
     injected_by: str
     node: int | None = None
     tensor: str | None = None  # bitflip: the parameter's name (None: the first by name)
+    return_step: int | None = None  # slot_lost: the completed step after which the device is back
 
     def __post_init__(self) -> None:
         assert self.index >= 0 and self.step >= 1 and self.rank >= 0, self
@@ -310,6 +327,7 @@ def plan_faults(
                 phase=cfg.phase,
                 injected_by=cfg.injected_by,
                 tensor=cfg.tensor if cfg.type == "bitflip" else None,
+                return_step=cfg.return_step if cfg.type == "slot_lost" else None,
             )
         ]
     rng = random.Random(cfg.seed)

@@ -2,8 +2,9 @@
 
 The ``injected_by=outside`` faults of a plan (:mod:`ckless_lightning.runtime.faults`): a ``kill``
 is SIGKILL of the rank's pid, a ``hang`` is SIGSTOP of it (a stopped process, state T), a
-``node_loss`` kills every rank of the node and then the agent itself. A fault fires once the
-target rank works on the fault's step (its heartbeat says step N-1 is complete), once per job:
+``node_loss`` kills every rank of the node and then the agent itself, a ``slot_lost`` has the
+agent kill the rank and start nothing in its place until the job completed ``fault.return_step``.
+A fault fires once the target rank works on the fault's step (its heartbeat says step N-1 is complete), once per job:
 :func:`~ckless_lightning.runtime.faults.claim_fault` makes it once-only across generations and
 agents. Nothing here imports torch or Lightning: the agent process uses it.
 """
@@ -47,29 +48,41 @@ class OutsideFaultInjector:
         *,
         pid_of: Callable[[int], int],
         kill_ranks: Callable[[], None],
+        lose_slot: Callable[[FaultSpec], None] | None = None,
     ) -> None:
         """Fire each pending fault whose rank is working on its step; called once per supervision pass.
 
         ``gen``: the node's generation (in the event); ``beats``: the heartbeats of this node's ranks;
         ``pid_of(rank)``: the pid of the rank's process; ``kill_ranks()``: SIGKILL every rank of the
-        node (a ``node_loss``, after which this process SIGKILLs itself and never returns). A fault
-        is dropped once due, fired or not: one already fired in an earlier generation is not fired again.
+        node (a ``node_loss``, after which this process SIGKILLs itself and never returns);
+        ``lose_slot(spec)``: take the rank's device away (a ``slot_lost``: the agent kills the rank and
+        starts nothing in its place until ``spec.return_step``). A fault is dropped once due, fired or
+        not: one already fired in an earlier generation is not fired again. A rank without a process
+        (its slot lost) has no heartbeat here: its faults wait.
         """
         for spec in list(self.pending):
-            if beats[spec.rank].completed_step < spec.step - 1:
+            if spec.rank not in beats or beats[spec.rank].completed_step < spec.step - 1:
                 continue  # step N starts once step N-1 is complete
             self.pending.remove(spec)
             if claim_fault(self.marker_dir, spec):  # not already fired in an earlier generation
-                self._fire(spec, gen, pid_of, kill_ranks)
+                self._fire(spec, gen, pid_of, kill_ranks, lose_slot)
 
     def _fire(
-        self, spec: FaultSpec, gen: int, pid_of: Callable[[int], int], kill_ranks: Callable[[], None]
+        self,
+        spec: FaultSpec,
+        gen: int,
+        pid_of: Callable[[int], int],
+        kill_ranks: Callable[[], None],
+        lose_slot: Callable[[FaultSpec], None] | None,
     ) -> None:
         self.events.emit("fault_injected", **injected_event(spec, "outside"), gen=gen)
         if spec.fault_type == "kill":
             os.kill(pid_of(spec.rank), signal.SIGKILL)
         elif spec.fault_type == "hang":
             os.kill(pid_of(spec.rank), signal.SIGSTOP)
+        elif spec.fault_type == "slot_lost":
+            assert lose_slot is not None, "slot_lost needs the agent's lose_slot"
+            lose_slot(spec)
         elif spec.fault_type == "node_loss":
             kill_ranks()
             os.kill(os.getpid(), signal.SIGKILL)  # the whole node goes, agent included

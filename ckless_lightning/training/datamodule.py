@@ -2,7 +2,9 @@
 
 ``train_dataloader`` runs after Lightning restored a checkpoint, so the loader
 starts at the restored optimizer step; Lightning then also feeds it the saved
-loader state (``load_state_dict``), which names the same step.
+loader state (``load_state_dict``), which names the same step. The accumulation is
+the Trainer's (``trainer.accumulate_grad_batches``): an elastic job builds a Trainer per
+generation, with more micro-batches per step when it trains on fewer replicas.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ class TokenDataModule(pl.LightningDataModule):
 
     With ``batch_cache`` (tier 2: the node's cache directory, from the agent)
     the loader reads memory-mapped batches that the node's reader wrote, and
-    the dataset is never opened in this process.
+    the dataset is never opened in this process, except by an elastic job
+    (``elastic``) in a generation of another data-parallel width than ``dp_size``
+    (the job's): the node's reader builds the full width's batches, so the ranks
+    read the memory-mapped dataset themselves until the job is whole again.
     """
 
     def __init__(
@@ -36,6 +41,8 @@ class TokenDataModule(pl.LightningDataModule):
         max_steps: int,
         batch_cache: str | None = None,
         cache_timeout_s: float = 600.0,
+        elastic: bool = False,
+        dp_size: int | None = None,
     ) -> None:
         super().__init__()
         self.cfg = data
@@ -43,6 +50,8 @@ class TokenDataModule(pl.LightningDataModule):
         self.max_steps = max_steps
         self.batch_cache = batch_cache
         self.cache_timeout_s = cache_timeout_s
+        self.elastic = elastic
+        self.dp_size = dp_size
         self.dataset: Any = None
         self.prepared: Any = None
 
@@ -57,16 +66,22 @@ class TokenDataModule(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> StepBatchLoader:
         sampler_kwargs = self.trainer.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
-        if self.batch_cache is not None:
-            return self._cached_loader(sampler_kwargs["rank"], sampler_kwargs["num_replicas"])
+        dp_rank, dp_size = sampler_kwargs["rank"], sampler_kwargs["num_replicas"]
+        if self.batch_cache is not None and (self.dp_size is None or dp_size == self.dp_size):
+            return self._cached_loader(dp_rank, dp_size)
+        if self.dataset is None:  # an elastic generation of another width: read the dataset here
+            self.dataset = load_prepared(self.prepared.path)
+        accumulate = self.trainer.accumulate_grad_batches
         return StepBatchLoader(
             self.dataset,
             seed=self.cfg.seed,
             micro_batch_size=self.cfg.micro_batch_size,
-            dp_rank=sampler_kwargs["rank"],
-            dp_size=sampler_kwargs["num_replicas"],
-            start_step=self.trainer.global_step * self.accumulate,
-            max_steps=self.max_steps * self.accumulate,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            start_step=self.trainer.global_step * accumulate,
+            max_steps=self.max_steps * accumulate,
+            accumulate=accumulate,
+            elastic=self.elastic,
         )
 
     def _cached_loader(self, dp_rank: int, dp_size: int) -> CachedStepBatchLoader:
@@ -77,7 +92,9 @@ class TokenDataModule(pl.LightningDataModule):
             dp_ranks=tuple(range(first, first + self.trainer.num_devices)),
             micro_batch_size=self.cfg.micro_batch_size,
             row_len=self.cfg.seq_len + 1,
-            source_tag=source_tag(self.prepared.path, self.cfg.seed, dp_size, self.cfg.micro_batch_size),
+            source_tag=source_tag(
+                self.prepared.path, self.cfg.seed, dp_size, self.cfg.micro_batch_size, self.accumulate
+            ),
         )
         return CachedStepBatchLoader(
             layout,
@@ -90,4 +107,6 @@ class TokenDataModule(pl.LightningDataModule):
             dp_size=dp_size,
             start_step=self.trainer.global_step * self.accumulate,
             max_steps=self.max_steps * self.accumulate,
+            accumulate=self.accumulate,
+            elastic=self.elastic,
         )

@@ -27,6 +27,7 @@ from ckless_lightning.comm import Generation, JobStore
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.recovery import InProcessRecovery
 from ckless_lightning.recovery.digest import StateDigest
+from ckless_lightning.recovery.elastic import ElasticPolicy
 from ckless_lightning.replication import SnapshotCopies
 from ckless_lightning.runtime.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
 from ckless_lightning.runtime.config import JobConfig
@@ -35,6 +36,7 @@ from ckless_lightning.runtime.faults import FaultSpec, injected_event
 from ckless_lightning.runtime.memory_plan import resolve_accelerator
 from ckless_lightning.training.callbacks import (
     DataPositionCallback,
+    ElasticAccumulationCallback,
     FaultInjectionCallback,
     HeartbeatCallback,
     LossHistoryCallback,
@@ -45,11 +47,19 @@ from ckless_lightning.training.callbacks import (
     TimelineCallback,
 )
 from ckless_lightning.training.datamodule import TokenDataModule
+from ckless_lightning.training.environment import GenerationEnvironment
 from ckless_lightning.training.module import CausalLMModule
 from ckless_lightning.training.quiet import quiet_known_noise
 from ckless_lightning.training.strategy import CheckpointlessStrategy
 
-__all__ = ["build_datamodule", "build_logger", "build_module", "build_trainer", "train_rank"]
+__all__ = [
+    "build_datamodule",
+    "build_elastic_policy",
+    "build_logger",
+    "build_module",
+    "build_trainer",
+    "train_rank",
+]
 
 
 def build_logger(job: JobConfig) -> Logger:
@@ -77,8 +87,16 @@ def build_trainer(
     rank 0 only; building them there alone keeps the other ranks off the tracking store, which
     MLflow's client opens in its constructor). ``generation``: the job generation this Trainer
     trains in; after a recovery (``> 0``) rank 0 logs what it cost (``RecoveryMetricsCallback``).
+    A strategy of an elastic generation that trains part of the job (``strategy.generation.active``)
+    sets the Trainer's world: its ranks, its accumulation (the same global batch on fewer ranks).
     """
     run_dir = Path(job.run_dir)
+    view = strategy.generation if strategy is not None else None
+    environment = TorchElasticEnvironment()
+    world_size = job.cluster.world_size
+    if view is not None and view.active is not None:
+        environment = GenerationEnvironment(view)
+        rank, world_size = view.rank, view.world_size
     # ``callbacks`` right after the data position: tier 4's snapshot must see the committed loader
     # position and run before LossHistoryCallback's all-reduce (see SnapshotCallback).
     all_callbacks: list[pl.Callback] = [
@@ -102,11 +120,11 @@ def build_trainer(
             )
         )
     if job.data.record_samples:
-        all_callbacks.append(SampleLogCallback(run_dir / "samples"))
+        all_callbacks.append(SampleLogCallback(run_dir / "samples", generation=generation))
+    if job.elastic.enabled:
+        all_callbacks.append(ElasticAccumulationCallback())
     if rank == 0 and generation > 0:  # after LossHistoryCallback: losses.jsonl has the step
-        all_callbacks.append(
-            RecoveryMetricsCallback(run_dir, generation=generation, world_size=job.cluster.world_size)
-        )
+        all_callbacks.append(RecoveryMetricsCallback(run_dir, generation=generation, world_size=world_size))
     trainer_cfg = job.trainer
     if trainer_cfg.enable_progress_bar:
         all_callbacks.append(StepProgressBar())
@@ -115,10 +133,10 @@ def build_trainer(
         devices=job.cluster.nproc_per_node,
         num_nodes=job.cluster.nnodes,
         strategy=strategy or CheckpointlessStrategy(replicate=job.cluster.replicate, shard=job.cluster.shard),
-        plugins=[TorchElasticEnvironment()],
+        plugins=[environment],
         precision=trainer_cfg.precision,
         max_steps=trainer_cfg.max_steps,
-        accumulate_grad_batches=job.accumulate_grad_batches,
+        accumulate_grad_batches=job.accumulate_at(world_size),
         gradient_clip_val=trainer_cfg.gradient_clip_val,
         gradient_clip_algorithm="norm",
         log_every_n_steps=trainer_cfg.log_every_n_steps,
@@ -149,6 +167,22 @@ def build_datamodule(job: JobConfig, batch_cache: str | None = None) -> TokenDat
         max_steps=job.trainer.max_steps,
         batch_cache=batch_cache,
         cache_timeout_s=job.agent.startup_timeout,
+        elastic=job.elastic.enabled,
+        dp_size=job.cluster.world_size,
+    )
+
+
+def build_elastic_policy(job: JobConfig) -> ElasticPolicy | None:
+    """The elastic HSDP rules of ``job`` (``elastic.enabled``), or None."""
+    if not job.elastic.enabled:
+        return None
+    replicate, shard = job.cluster.mesh_shape
+    return ElasticPolicy(
+        replicate=replicate,
+        shard=shard,
+        min_replicas=job.elastic.min_replicas,
+        replace_timeout_s=job.agent.replace_timeout,
+        max_steps=job.trainer.max_steps,
     )
 
 
@@ -184,8 +218,9 @@ class _RankRun:
         )
 
 
-def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer:
+def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer | None:
     """Train ``job`` on this rank, resuming per ``checkpoint.resume``; save the final step if asked.
+    Returns the Trainer that finished (None: an elastic job's rank that stood by at the end).
 
     ``context`` is what the agent told this process (heartbeats, generation, job
     store); under torchrun (no store) the rank runs on Lightning's own init.
@@ -286,7 +321,7 @@ def _train_once(run: _RankRun) -> pl.Trainer:
     return trainer
 
 
-def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None]) -> pl.Trainer:
+def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None]) -> pl.Trainer | None:
     """Tiers 3-4: ``fit`` and then ``after_fit`` inside :class:`InProcessRecovery`; faults are
     recovered in this process."""
     job, context, events = run.job, run.context, run.events
@@ -315,6 +350,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         snapshots=snapshots,
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
         digest=StateDigest(replication.digest_every) if replication.digest_every else None,
+        elastic=build_elastic_policy(job),
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(

@@ -130,6 +130,11 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._light = False
 
     @property
+    def generation(self) -> Generation | None:
+        """The job generation this strategy trains in (tier 1+), or None (Lightning's own init)."""
+        return self._generation
+
+    @property
     def mesh_shape(self) -> tuple[int, int]:
         """(replicate, shard) as resolved against the world size."""
         return resolve_mesh(self.world_size, self._replicate, self._shard)

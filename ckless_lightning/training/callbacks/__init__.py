@@ -1,6 +1,7 @@
 """Lightning callbacks of ckless_lightning."""
 
 from ckless_lightning.training.callbacks.data_position import DataPositionCallback
+from ckless_lightning.training.callbacks.elastic_accumulation import ElasticAccumulationCallback
 from ckless_lightning.training.callbacks.fault_injection import FaultInjectionCallback, InjectedFault
 from ckless_lightning.training.callbacks.heartbeat import HeartbeatCallback
 from ckless_lightning.training.callbacks.loss_history import LossHistoryCallback
@@ -13,6 +14,7 @@ from ckless_lightning.training.callbacks.timeline import TimelineCallback
 
 __all__ = [
     "DataPositionCallback",
+    "ElasticAccumulationCallback",
     "FaultInjectionCallback",
     "HeartbeatCallback",
     "InjectedFault",

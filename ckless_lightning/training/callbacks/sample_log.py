@@ -18,10 +18,13 @@ __all__ = ["SampleLogCallback", "read_sample_log"]
 
 
 class SampleLogCallback(pl.Callback):
-    """After each training batch: append ``{"step", "micro", "sample_ids"}`` for this rank."""
+    """After each training batch: append ``{"step", "micro", "sample_ids", "gen", "dp_size"}`` for this
+    rank (``gen``: the job generation it trained in; an elastic job's step may be tried at one width
+    and committed at another, in a later generation)."""
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, generation: int = 0) -> None:
         self.out_dir = Path(out_dir)
+        self.generation = generation
 
     @override
     def on_train_batch_end(
@@ -33,6 +36,8 @@ class SampleLogCallback(pl.Callback):
             "step": int(batch["step"]) // accumulate + 1,
             "micro": int(batch["step"]) % accumulate,
             "sample_ids": batch["sample_ids"].tolist(),
+            "gen": self.generation,
+            "dp_size": trainer.world_size,
         }
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with (self.out_dir / f"rank{trainer.global_rank}.jsonl").open("a") as f:
