@@ -90,6 +90,10 @@ class JobSummary:
     generations: int = 0
     exit_code: int | None = None
     giveup_reason: str | None = None
+    # Elastic HSDP: seconds spent at each data-parallel width, in the order first reached ({} if the
+    # job never resized), and its resizes as (reason, generation, width).
+    width_s: dict[int, float] = field(default_factory=dict)
+    resizes: list[tuple[str, int, int]] = field(default_factory=list)
 
     def format(self) -> str:
         """A plain-text report, at most ~100 columns for typical fault names."""
@@ -162,7 +166,27 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
     summary.steps_lost = max(logged_again, sum(f.steps_lost or 0 for f in summary.faults))
     if summary.steps_done:
         summary.ml_goodput = summary.steps_done / (summary.steps_done + summary.steps_lost)
+    _widths(summary, events, starts, ends)
     return summary
+
+
+def _widths(
+    summary: JobSummary,
+    events: list[dict[str, Any]],
+    starts: list[dict[str, Any]],
+    ends: list[dict[str, Any]],
+) -> None:
+    """Elastic HSDP: the time at each width, from the job's start through each resize to its end."""
+    resizes = _of(events, "elastic_resize")
+    if not resizes or not starts or summary.world_size is None:
+        return
+    t, width = float(starts[0]["t"]), int(summary.world_size)
+    end = float(ends[-1]["t"]) if ends else float(events[-1]["t"])
+    for resize in resizes:
+        summary.width_s[width] = summary.width_s.get(width, 0.0) + float(resize["t"]) - t
+        t, width = float(resize["t"]), int(resize["dp_size"])
+        summary.resizes.append((str(resize["reason"]), int(resize["gen"]), width))
+    summary.width_s[width] = summary.width_s.get(width, 0.0) + end - t
 
 
 def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -250,9 +274,13 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
         giveups = _of(after, "giveup")
         fault.outcome = f"gave up: {giveups[0].get('reason')}" if giveups else "no new generation"
         return fault
+    new_gen_event = _past_shrinks(events, new_gen_event)
     fault.new_gen = int(new_gen_event["gen"])
     by_phase = _by_phase(_phases(events, fault.new_gen))
     spawns = by_phase.get("process_start", {})
+    trained_at = min((e["t"] for e in by_phase.get("first_step_done", {}).values()), default=None)
+    if trained_at is not None:  # not a process started once the generation trained (elastic: a rejoin)
+        spawns = {r: e for r, e in spawns.items() if e["t"] <= trained_at}
     t_from = t_stop if t_stop is not None else t_detect
     if spawns and t_from is not None:
         fault.process_start_s = max(e["t"] for e in spawns.values()) - t_from
@@ -283,6 +311,19 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
     if fault.completed_before is not None and fault.resumed_from_step is not None:
         fault.steps_lost = max(0, fault.completed_before - fault.resumed_from_step)
     return fault
+
+
+def _past_shrinks(events: list[dict[str, Any]], gen_event: dict[str, Any]) -> dict[str, Any]:
+    """The generation a fault's recovery trained in: ``gen_event``'s, or, where that one never trained
+    and an elastic shrink followed it (no replacement came for the lost rank), the shrink's."""
+    while not any(e["phase"] == "first_step_done" for e in _phases(events, int(gen_event["gen"]))):
+        later = [
+            e for e in events if e["kind"] == "generation" and int(e["gen"]) == int(gen_event["gen"]) + 1
+        ]
+        if not later or later[0].get("reason") != "shrink":
+            break
+        gen_event = later[0]
+    return gen_event
 
 
 def _by_phase(phase_events: Iterable[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -401,5 +442,15 @@ def _footer(s: JobSummary) -> list[str]:
         f"goodput          {_percent(s.goodput)} = steps done x median step / wall time",
         f"ML goodput       {_percent(s.ml_goodput)} = steps kept / steps computed ({s.steps_lost} lost)",
         f"generations      {s.generations}",
+        *_width_lines(s),
         f"exit status      {status}",
     ]
+
+
+def _width_lines(s: JobSummary) -> list[str]:
+    """Elastic HSDP: the time at each data-parallel width and the resizes (none if it never resized)."""
+    if not s.width_s:
+        return []
+    widths = ", ".join(f"{width} ranks {_secs(secs)} s" for width, secs in s.width_s.items())
+    resizes = ", ".join(f"{reason} to {width} in gen {gen}" for reason, gen, width in s.resizes)
+    return [f"widths           {widths} (elastic: {resizes})"]

@@ -3,10 +3,11 @@
 The ``injected_by=outside`` faults of a plan (:mod:`ckless_lightning.runtime.faults`): a ``kill``
 is SIGKILL of the rank's pid, a ``hang`` is SIGSTOP of it (a stopped process, state T), a
 ``node_loss`` kills every rank of the node and then the agent itself, a ``slot_lost`` has the
-agent kill the rank and start nothing in its place until the job completed ``fault.return_step``.
-A fault fires once the target rank works on the fault's step (its heartbeat says step N-1 is complete), once per job:
-:func:`~ckless_lightning.runtime.faults.claim_fault` makes it once-only across generations and
-agents. Nothing here imports torch or Lightning: the agent process uses it.
+agent kill the rank and start nothing in its place until the job completed
+``fault.return_step``. A fault fires once the target rank works on the fault's step (its
+heartbeat says step N-1 is complete), once per job: :func:`~ckless_lightning.runtime.faults.claim_fault`
+makes it once-only across generations and agents. Nothing here imports torch or Lightning: the
+agent process uses it.
 """
 
 from __future__ import annotations
