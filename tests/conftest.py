@@ -101,8 +101,9 @@ def launch_job(
 # One fault-free llama3_tiny run on 4 ranks, 12 steps, checkpoint every 5, samples recorded: the
 # reference of test_agent.py, test_tier2.py and test_slurm.py (faults there change nothing else).
 TINY_REFERENCE = ("trainer.max_steps=12", "checkpoint.every_n_steps=5", "data.record_samples=true")
-# The same training as HSDP 2x2 at tier 4, no disk checkpoint but the last: test_tier4.py's and
-# test_state_digest.py's reference (the digest and the checkpoint cadence change no bit of it).
+# The same training as HSDP 2x2 at tier 4, no disk checkpoint but the last, samples recorded:
+# test_tier4.py's, test_state_digest.py's and test_elastic.py's reference (the digest and the
+# checkpoint cadence change no bit of it).
 TINY_HSDP_REFERENCE = (
     "recipe=llama3_tiny",
     "trainer.max_steps=12",
@@ -110,6 +111,7 @@ TINY_HSDP_REFERENCE = (
     "cluster.replicate=2",
     "replication.source=hsdp",
     "checkpoint.every_n_steps=0",
+    "data.record_samples=true",
 )
 REFERENCE_LOCK_TIMEOUT_S = 900  # another test process building the same run (a 4-rank job: ~1 min)
 
@@ -150,6 +152,7 @@ SLOWEST_FILES = (
     "test_models_sharded.py",
     "test_slurm.py",
     "test_state_digest.py",
+    "test_elastic.py",
     "test_faults.py",
     "test_cli.py",
     "test_launcher_cleanup.py",
