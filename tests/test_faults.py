@@ -42,7 +42,10 @@ SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"type": "explode"}, r"fault\.type must be one of none \| kill .* reader_stall, got 'explode'"),
+        (
+            {"type": "explode"},
+            r"fault\.type must be one of none \| kill .* reader_stall \| slot_lost, got 'explode'",
+        ),
         ({"phase": "loss"}, r"fault\.phase must be one of data \| forward \| backward"),
         ({"injected_by": "agent"}, r"fault\.injected_by must be one of inside \| outside"),
         ({"type": "exception", "injected_by": "outside"}, r"exception cannot be injected from outside"),

@@ -45,6 +45,7 @@ FLOORS = {
     f"{PACKAGE}.recovery.commit": 2,
     f"{PACKAGE}.recovery.digest": 2,
     f"{PACKAGE}.recovery.sever": 2,
+    f"{PACKAGE}.recovery.elastic": 2,
     f"{PACKAGE}.models": 1,
     f"{PACKAGE}.replication": 1,
     f"{PACKAGE}.data": 1,

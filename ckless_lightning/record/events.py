@@ -73,7 +73,16 @@ int | None; for a hang also stopped, stale_ranks, where: {rank: "running" | "dat
 ``ranks_stopped`` {gen, node, ranks}
     The agent of ``node`` stopped these ranks of generation ``gen``.
 ``generation`` {gen, reason}
-    The job moved to generation ``gen`` (an agent, or at tiers 3-4 the first rank to leave).
+    The job moved to generation ``gen`` (an agent, or at tiers 3-4 the first rank to leave);
+    ``reason``: ``fault``, or an elastic resize's ``shrink`` / ``grow``.
+``elastic_resize`` {gen, reason: "shrink" | "grow", active: [int], replicas, dp_size, missing | returning}
+    Elastic HSDP: generation ``gen`` trains the job ranks ``active`` (``replicas`` replicas,
+    data-parallel width ``dp_size``): without the replicas of the ``missing`` ranks (none replaced
+    within ``agent.replace_timeout``), or with the ``returning`` replica back. The rank that moved
+    the job emits it, once. A rank outside the set reports ``rank_phase`` ``standby`` {active}.
+``slot_lost`` {rank, node, return_step}, ``slot_returned`` {rank, node, gen, completed_step}
+    ``fault=slot_lost``: the agent killed ``rank`` and starts nothing in its place until the job
+    completed ``return_step`` (None: never); it is back (a process started in ``gen``).
 ``commit_votes`` {rank, votes, vote_s, vote_cpu_s, recoveries, snapshots, snapshot_s, snapshot_cpu_s,
 exchange_wait_s, host_copy_bytes, digests, digest_s}
     Tiers 3-4, at the end of a rank's training: the commit votes it cast and the
