@@ -296,7 +296,16 @@ class NodeAgent:
         )
 
     def _tend(self, gen: int, beats: Mapping[int, Heartbeat]) -> None:
-        """All is well: keep the batch cache reader running, tend the spares, fire due outside faults."""
+        """All is well: fire due outside faults, keep the batch cache reader running, tend the spares."""
+        # First, so that the fault hits the step the heartbeats just read say is in progress (the
+        # other work of the pass took long enough, under load, for a fast step to end first).
+        self.outside_faults.inject_due(
+            gen,
+            beats,
+            pid_of=lambda rank: self.ranks[rank].pid,
+            kill_ranks=self._kill_ranks,
+            lose_slot=self._lose_slot,
+        )
         self.batch_cache.keep_running()
         self._return_slots()
         # New spares start only while every local rank trains (or stands by, elastic): not while
@@ -310,13 +319,6 @@ class NodeAgent:
         self.spares.tend(start=training)  # replaces a spare taken, dead or stopped (once filled)
         if self.fork_server is not None:
             self.fork_server.tend()  # replaces a fork server that died or was stopped
-        self.outside_faults.inject_due(
-            gen,
-            beats,
-            pid_of=lambda rank: self.ranks[rank].pid,
-            kill_ranks=self._kill_ranks,
-            lose_slot=self._lose_slot,
-        )
         if self.chaos is not None:
             self.chaos.inject_due(gen, self._live_processes(), beats)
 
