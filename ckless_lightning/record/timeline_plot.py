@@ -31,6 +31,7 @@ __all__ = ["render_timeline"]
 _COLOURS = {
     "imports": ("#f4a261", "start-up: spawn + imports"),
     "waiting": ("#dedede", "waiting for peers"),
+    "standby": ("#f1e3c8", "standing by (elastic)"),
     "comm": ("#9b5de5", "comm init"),
     "state": ("#277da1", "state load"),
     "data": ("#43aa8b", "data ready"),
@@ -58,6 +59,7 @@ _AFTER_PHASE = {
     "state_load_done": "data",
     "data_ready": "first",
     "first_step_done": "training",
+    "standby": "standby",
 }
 # marker kind -> (marker, colour, size, legend label)
 _MARKERS = {
@@ -85,7 +87,11 @@ def _rank_bars(events: list[dict[str, Any]], rank: int, lane: str, t_end: float)
         elif kind == "commit_votes" and e.get("rank") == rank:
             marks.append((t, "finishing", None))
         elif (
-            (kind == "fault_injected" and e.get("rank") == rank and e.get("fault_type") == "kill")
+            (
+                kind == "fault_injected"
+                and e.get("rank") == rank
+                and e.get("fault_type") in ("kill", "slot_lost")
+            )
             or (kind == "fault_detected" and rank in (e.get("rank"), *e.get("failed_ranks", ())))
             or (kind == "ranks_stopped" and rank in e.get("ranks", ()))
             or (kind in ("rank_end", "rank_lost_after_end") and e.get("rank") == rank)
