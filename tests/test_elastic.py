@@ -16,6 +16,7 @@ final weights and optimizer state within ``STATE_ATOL``:
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,11 @@ from checkpoint_utils import flatten, load_full_checkpoint
 from conftest import TINY_HSDP_REFERENCE, launch_job
 from test_agent import events_of, job_processes
 
-from ckless_lightning.comm import JobStore
+from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.record.loss_log import read_losses
 from ckless_lightning.record.summary import summarize_run
-from ckless_lightning.recovery.elastic import ElasticPolicy
+from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
+from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.runtime.checkpointing import checkpoint_name
 from ckless_lightning.training._lightning_compat import rescale_micro_batches
 
@@ -91,6 +93,34 @@ def test_the_store_fixes_each_generations_training_ranks_once() -> None:
     assert store.advance_generation(0, world_size=4, restart=False) == 1
     assert store.restart_times(1) == []  # a resize does not spend the restart budget
     assert store.advance_generation(1, world_size=4) == 2 and len(store.restart_times(2)) == 1
+
+
+def _standby_session(store: JobStore, **kwargs) -> GenerationSession:
+    """Rank 2 of a 2x2 job whose generation 0 trains ranks 0 and 1 only."""
+    store.generation()
+    store.propose_active(0, (0, 1))
+    for rank in (0, 1):
+        store.set_rank_heartbeat(rank, Heartbeat(0, 3, time.time()))
+    policy = ElasticPolicy(replicate=2, shard=2, replace_timeout_s=1.0, max_steps=20)
+    return GenerationSession(store, rank=2, world_size=4, generation=0, elastic=policy, **kwargs)
+
+
+def test_a_standby_rank_leaves_when_the_job_ends_and_gives_up_when_it_stalls() -> None:
+    store = JobStore.host("127.0.0.1", 0, secret="elastic-standby-end")
+    standing: list[int] = []
+    session = _standby_session(store, on_standby=standing.append)
+    store.mark_rank_finished(0)
+    with pytest.raises(StandbyEnded, match="finished while it stood by"):
+        session.join()
+    assert standing == [0] and store.standby([2]) == {2: -1}  # said, then taken back
+    # The training ranks' heartbeats never change again: bounded by comm.join_timeout_s.
+    store = JobStore.host("127.0.0.1", 0, secret="elastic-standby-stall")
+    session = _standby_session(store, join_timeout_s=1.5)
+    start = time.monotonic()
+    with pytest.raises(JobGaveUp, match=r"no rank of 0, 1 beat for comm.join_timeout_s=1.5 s"):
+        session.join()
+    assert 1.5 <= time.monotonic() - start < 10
+    assert "stood by" in (store.giveup_reason() or "")
 
 
 def _checkpoint(steps: int, micro: dict[str, int]) -> dict:

@@ -179,8 +179,9 @@ class GenerationSession:
     def _stand_by(self, gen: int, active: tuple[int, ...]) -> None:
         """Outside ``gen``'s set: wait, beating, until the job leaves ``gen`` (return), finishes
         (:class:`StandbyEnded`) or gives up (:class:`JobGaveUp`); grow the job back once this rank's
-        replica stands by whole. No other bound: a lost device may never come back, and the
-        training ranks' own bounds end the job if it stalls."""
+        replica stands by whole. A lost device may never come back, so the wait has no length of
+        its own; its bound is the training ranks' liveness: if none of their heartbeats changes for
+        ``comm.join_timeout_s`` (timed on this rank's clock), the job gives up."""
         assert self.elastic is not None
         self.store.set_standby(self.rank, gen)
         self._on_standby(gen)
@@ -188,6 +189,7 @@ class GenerationSession:
         replica = self.elastic.replica_of(self.rank)
         peers = list(self.elastic.replica_ranks(replica))
         next_beat = 0.0
+        seen, changed = None, time.monotonic()
         try:
             while self.store.generation() == gen:
                 now = time.time()
@@ -196,6 +198,11 @@ class GenerationSession:
                     reason = self.store.giveup_reason()
                     if reason is not None:
                         raise JobGaveUp(reason)
+                    beats = self.store.rank_heartbeats(list(active))
+                    if beats != seen:
+                        seen, changed = beats, time.monotonic()
+                    elif time.monotonic() - changed > self.join_timeout_s:
+                        self._give_up_standing_by(gen, active)
                     next_beat = now + _BEAT_S
                 if self.store.ranks_finished() > 0:
                     raise StandbyEnded(
@@ -207,6 +214,14 @@ class GenerationSession:
                 time.sleep(_STANDBY_POLL_S)
         finally:
             self.store.set_standby(self.rank, -1)
+
+    def _give_up_standing_by(self, gen: int, active: tuple[int, ...]) -> None:
+        reason = (
+            f"generation {gen}: no rank of {', '.join(map(str, active))} beat for comm.join_timeout_s="
+            f"{self.join_timeout_s:g} s while rank {self.rank} stood by (the job stalled)"
+        )
+        self.store.give_up(reason)
+        raise JobGaveUp(reason)
 
     def _may_grow(self, active: tuple[int, ...]) -> bool:
         assert self.elastic is not None
