@@ -10,7 +10,8 @@ final weights and optimizer state within ``STATE_ATOL``:
   the job trains the steps between on 2 replicas (3 micro-batches of 2 per rank for the global
   batch of 12, not 2), then rank 2 rejoins with its state from a live replica.
 - HSDP 2x2 on 4 ranks: rank 3's device is lost at step 5 for good: rank 2 stands by, ranks 0
-  and 1 finish the job as one replica; rank 2 exits when it ends.
+  and 1 finish the job as one replica (rank 1 killed there too: with no replica left, from the
+  last disk checkpoint); rank 2 exits when it ends.
 """
 
 from __future__ import annotations
@@ -277,16 +278,23 @@ def test_two_replicas_finish_as_one_when_the_lost_device_never_returns(
     tmp_path, data_cache, reference_run
 ) -> None:
     reference = reference_run(*TINY_HSDP_REFERENCE)
-    faults = ("fault=slot_lost", "fault.rank=3", "fault.step=5")
-    run = run_elastic(tmp_path, data_cache, "cluster=local_cpu_hsdp", f"trainer.max_steps={STEPS}", *faults)
+    # Rank 3's device is lost in step 5 for good; in step 8, at one replica, rank 1 is killed too:
+    # no live copy of its shard is left, so that recovery falls back to the step-6 checkpoint.
+    plan = "fault.plan=[{type:slot_lost,rank:3,step:5,injected_by:outside},{type:kill,rank:1,step:8}]"
+    overrides = ("cluster=local_cpu_hsdp", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=3")
+    run = run_elastic(tmp_path, data_cache, *overrides, "fault=plan", plan)
     assert_same_training_within_tolerance(run, reference, tmp_path, STEPS)
     (shrink,) = events_of(run, "elastic_resize")
     assert (shrink["active"], shrink["replicas"], shrink["missing"]) == ([0, 1], 1, [3])
     standby = [e for e in events_of(run, "rank_phase") if e["phase"] == "standby"]
-    assert {e["rank"] for e in standby} == {2}
+    assert {e["rank"] for e in standby} == {2}  # in the shrunk generation and the one after the kill
     assert not events_of(run, "slot_returned")
+    fallback = [e for e in events_of(run, "memory_restore") if e["gen"] > shrink["gen"] and e["rank"] == 0]
+    assert fallback[0]["reason"].startswith("no live copy of shard 1"), fallback
+    assert fallback[0]["fallback"].endswith(checkpoint_name(6))
     pids = pids_by_rank(run)
-    assert all(len(pids[r]) == 1 for r in range(4))  # nothing replaced rank 3; the others kept theirs
+    assert len(pids[0]) == len(pids[2]) == len(pids[3]) == 1 and len(pids[1]) == 2  # nothing replaced rank 3
     summary = summarize_run(run)
     assert list(summary.width_s) == [4, 2]
+    assert summary.steps_lost == 1  # step 7, computed before the kill, again after the fallback
     assert "the job finished while it stood by" in (run / "rank_logs" / "rank2.log").read_text()
