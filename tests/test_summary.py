@@ -287,6 +287,28 @@ def test_two_faults_warm_spare_then_in_process():
                        "0.00", "-", "-", "-", "0.25", "1.00", "0.25", "2.75", "1"]  # fmt: skip
 
 
+def test_an_exit_the_agent_reports_after_moving_the_job_on_is_its_detection():
+    """Tiers 3-4: the agent sees a killed rank exit before any survivor notices, moves the job on
+    (``generation``) and then reports it (``fault_detected`` of the dead process's generation)."""
+    events = gen0()
+    events += [
+        ev(1011.5, "fault_injected", "rank1", rank=1, step=3, phase="forward", fault_type="kill",
+           injected_by="inside"),
+        ev(1011.6, "generation", gen=1, reason="fault"),
+        ev(1011.61, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, completed_step=2,
+           gen=0),
+        ev(1011.62, "ranks_started", gen=1, node=0, ranks=[1], pids=[9], warm=[True]),
+    ]  # fmt: skip
+    for r in range(4):
+        times = {"comm_init_start": 1012.0, "comm_init_done": 1012.25, "state_load_start": 1012.25}
+        times |= {"state_load_done": 1012.5, "data_ready": 1012.75, "first_step_done": 1013.0}
+        events += phases(1, r, times, 2, 3)
+    events.append(ev(1014.0, "job_end", exit_code=0, final_step=3))
+    (fault,) = summarize(events, loss_records([(1, 1010.0), (2, 1011.0), (3, 1013.0)])).faults
+    assert fault.detected_by == "agent0" and round(fault.detection_s, 6) == 0.11
+    assert fault.completed_before == 2 and fault.steps_lost == 0 and fault.total_s == 1.5
+
+
 def test_fault_during_recovery_is_superseded():
     """Rank 1 dies again while starting up (heartbeat step -1: no step known); fault 1 never completes."""
     events = gen0()

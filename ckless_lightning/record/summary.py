@@ -234,6 +234,13 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
         for e in until_new_gen
         if e["kind"] == "fault_detected" or (e["kind"] == "rank_phase" and e["phase"] == "recovery_start")
     ]
+    if injected and not detections and new_gen_pos is not None:
+        # Tiers 3-4: the agent saw the exit first, moved the job on, then reported it (its
+        # ``fault_detected`` names the dead process's generation, the one the fault hit).
+        old_gen = old_gens[-1] if old_gens else 0
+        detections = [
+            e for e in after[new_gen_pos:] if e["kind"] == "fault_detected" and e.get("gen") == old_gen
+        ][:1]
     detection = opener if not injected else (detections[0] if detections else None)
     completed = detection.get("completed_step") if detection is not None else None
     if completed is not None and completed < 0:
@@ -283,7 +290,8 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
         spawns = {r: e for r, e in spawns.items() if e["t"] <= trained_at}
     t_from = t_stop if t_stop is not None else t_detect
     if spawns and t_from is not None:
-        fault.process_start_s = max(e["t"] for e in spawns.values()) - t_from
+        # Tiers 3-4: a spare may take the rank before the survivors have left the old generation.
+        fault.process_start_s = max(0.0, max(e["t"] for e in spawns.values()) - t_from)
     fault.imports_s = _slowest(by_phase, "process_start", "imports_done")
     fault.comm_init_s = _slowest(by_phase, "comm_init_start", "comm_init_done")
     fault.state_load_s = _slowest(by_phase, "state_load_start", "state_load_done")
