@@ -351,17 +351,9 @@ class NodeAgent:
                 continue
             del self.lost_slots[rank]
             gen = self.store.generation()
-            proc = self.start_rank(rank, gen)
+            self.start_rank(rank, gen)
             self.events.emit("slot_returned", rank=rank, node=self.node, gen=gen, completed_step=completed)
-            self.events.emit(
-                "ranks_started",
-                gen=gen,
-                node=self.node,
-                ranks=[rank],
-                pids=[proc.pid],
-                warm=[proc.warm],
-                forked=[proc.forked],
-            )
+            self.emit_ranks_started(gen, [rank])
             print(
                 f"[agent{self.node}] rank {rank}'s device is back after step {completed}: started it in "
                 f"generation {gen}",
@@ -424,6 +416,10 @@ class NodeAgent:
         for rank in ranks:
             self.start_rank(rank, gen)
         self.store.mark_started(gen, self.node)
+        self.emit_ranks_started(gen, ranks)
+
+    def emit_ranks_started(self, gen: int, ranks: list[int]) -> None:
+        """The ``ranks_started`` event of ``ranks``, just started in ``gen`` (how each started)."""
         self.events.emit(
             "ranks_started",
             gen=gen,

@@ -133,6 +133,8 @@ class Node(Protocol):
 
     def start_rank(self, rank: int, gen: int) -> RankProcess: ...
 
+    def emit_ranks_started(self, gen: int, ranks: list[int]) -> None: ...
+
     def stop_ranks(self, *, graceful: bool, generation: int | None = None) -> None: ...
 
     def refill_spares_later(self) -> None: ...
@@ -413,16 +415,8 @@ class ReplaceFailed(Policy):
                 file=sys.stderr,
             )
             agent.ranks[rank].stop(0)
-            proc = agent.start_rank(rank, current)
-            agent.events.emit(
-                "ranks_started",
-                gen=current,
-                node=agent.node,
-                ranks=[rank],
-                pids=[proc.pid],
-                warm=[proc.warm],
-                forked=[proc.forked],
-            )
+            agent.start_rank(rank, current)
+            agent.emit_ranks_started(current, [rank])
         return current
 
     def _restart_hang_clocks(self) -> None:
