@@ -41,6 +41,7 @@ FLOORS = {
     f"{PACKAGE}.agent": 3,
     f"{PACKAGE}.training": 2,
     f"{PACKAGE}.recovery.memory": 2,
+    f"{PACKAGE}.recovery.verify": 2,
     f"{PACKAGE}.recovery.session": 2,
     f"{PACKAGE}.recovery.commit": 2,
     f"{PACKAGE}.recovery.digest": 2,

@@ -242,6 +242,11 @@ class InProcessRecovery:
                 if recovering:
                     resume = self._resume_point(ckpt_path)
                     self._phase("resume_chosen", gen.number, resumed_from=str(resume) if resume else None)
+                    if self.snapshots is not None and resume != MEMORY_CHECKPOINT:
+                        # A timeline the job leaves: its live capture and copies describe none of
+                        # the steps this generation will train, nor do fingerprints recorded so far.
+                        self.snapshots.resumed_at(None)
+                        self.store.begin_timeline(gen.number)
                 trainer = make_trainer(self._strategy(gen, resume), self._callbacks(gen.number))
                 trainer.fit(make_module(), datamodule=datamodule, ckpt_path=resume)
                 if after_fit is not None:
@@ -387,8 +392,14 @@ class InProcessRecovery:
         snapshot must run before any callback that communicates)."""
         callbacks: list[pl.Callback] = []
         if self.snapshots is not None:
+            snapshots, store, rank = self.snapshots, self.store, self.rank  # the job rank
             self.snapshot_callback = SnapshotCallback(
-                self.snapshots, on_first_record=self.store.mark_state_recorded
+                snapshots,
+                generation=gen,
+                on_record=lambda fp: store.record_state(
+                    rank, fp.step, fp.encode(), ring=snapshots.fingerprint_ring
+                ),
+                on_first_record=store.mark_state_recorded,
             )
             callbacks.append(self.snapshot_callback)
         callbacks.append(HeartbeatCallback(self.store, rank=self.rank, generation=gen))
@@ -434,10 +445,14 @@ class InProcessRecovery:
         if self.snapshots is None:
             return
         not_ours = is_peer_failure(err) or isinstance(err, GenerationChanged)
-        if self.snapshots.live_tensors is not None:
-            # The fault hit the restore itself. A peer lost during the transfer: the state captured
-            # when leaving the generation before is still the one to restore, untouched. This
-            # rank's own error (its capture did not fit the new model): never offer it again.
+        recorded_here = self.snapshot_callback is not None and self.snapshot_callback.records > 0
+        if self.snapshots.capture is not None and not recorded_here:
+            # The fault hit this generation before it recorded a step (in its restore, or before its
+            # first step). A peer lost: the state captured when leaving the generation before is
+            # still the one to restore, untouched. This rank's own error (its capture did not fit
+            # the new model): never offer it again. (A generation that recorded a step trained past
+            # the capture: a restore consumed it, or the generation resumed from elsewhere and
+            # dropped it; either way what follows is a new capture.)
             if not not_ours:
                 self.snapshots.capture_live(None, trusted=False)
             self._collect_snapshot_cost()

@@ -15,11 +15,16 @@ once the new generation's model and optimizers exist. There every rank:
    plan is made again); loop counters, scheduler, data position, callbacks and
    RNG come as the pickled snapshot Lightning's own ``dump_checkpoint`` made
    after the committed step (sent by the source to a replaced rank);
-4. returns that checkpoint dict, so Lightning restores loops, callbacks and
+4. verifies what it now holds, tensors and loop state, against the fingerprint
+   its owner recorded for that step (:mod:`~ckless_lightning.recovery.verify`);
+   every rank learns every verdict, and a mismatch rejects that source (a
+   ``restore_rejected`` event) and the plan is made again without it;
+5. returns that checkpoint dict, so Lightning restores loops, callbacks and
    schedulers exactly as from a file.
 
-If some state has no live copy, every rank falls back to the last disk
-checkpoint and says which shards were lost: never a guess.
+If some state has no live copy, or none that verifies, every rank falls back to
+the last disk checkpoint (or the job's start) and says which shards were lost
+and what was rejected: never a guess.
 """
 
 from __future__ import annotations
@@ -36,9 +41,12 @@ import torch.distributed as dist
 from ckless_lightning.comm import Generation
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import peak_rss_bytes
+from ckless_lightning.recovery.verify import Verdict, verify_restored
 from ckless_lightning.replication import (
+    Rejected,
     SnapshotCopies,
     SourceMap,
+    StateFingerprint,
     Transfer,
     TransferError,
     buddy_sources,
@@ -52,7 +60,7 @@ from ckless_lightning.replication.state import copy_into, local_state_tensors, s
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
 __all__ = ["MemoryRestore", "StartOver"]
-_MAX_PLANS = 4  # re-plans after checksum failures before giving up on memory
+_MAX_PLANS = 8  # plans after checksum or verification failures (each rejects a source) before the disk
 
 
 class StartOver(RuntimeError):
@@ -109,47 +117,53 @@ class MemoryRestore:
         """Before the optimizers exist, on the model still on meta: a survivor's live shards become
         its parameters (no initialization, no second copy). False where there is nothing to adopt
         (a replaced rank, untrusted state, a model the capture does not fit): allocate instead."""
-        live = self.snapshots.live_params
-        self.adopted = (
-            self.adopt_live
-            and live is not None
-            and self.snapshots.live_step is not None
-            and adopt_parameters(module, live)
-        )
+        capture = self.snapshots.capture
+        self.adopted = self.adopt_live and capture is not None and adopt_parameters(module, capture.params)
         return self.adopted
 
     def restore(
         self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> dict[str, Any] | Path:
-        """The checkpoint dict of the committed step (state already in ``module``/``optimizers``), or
-        the disk checkpoint to load instead. Raises if neither exists."""
+        """The checkpoint dict of the committed step (state already in ``module``/``optimizers``,
+        verified), or the disk checkpoint to load instead. Raises if neither exists."""
         snapshots = self.snapshots
         rank = dist.get_rank()
         if self.adopted:
-            assert snapshots.live_params is not None
-            adopt_optimizer_state(module, optimizers, snapshots.live_params)
+            assert snapshots.capture is not None
+            adopt_optimizer_state(module, optimizers, snapshots.capture.params)
         reports = [None] * dist.get_world_size()
         # By this generation's rank: an elastic generation's ranks are a subset of the job's.
         dist.all_gather_object(reports, replace(snapshots.report(), rank=rank))
         by_rank = {r.rank: r for r in reports}  # type: ignore[union-attr]
         tensors = local_state_tensors(module, optimizers, allocate=True)
-        exclude: frozenset[Transfer] = frozenset()
+        rejected = Rejected()
+        reasons: list[str] = []  # what was rejected, for the log and the fallback's reason
         for _ in range(_MAX_PLANS):
-            plan = self._plan(by_rank, exclude)
+            plan = self._plan(rejected.apply(by_rank), rejected.pairs)
             if plan.fallback:
-                return self._fall_back(plan)
+                return self._fall_back(plan, reasons)
             assert plan.step is not None
             loop = self._fill(plan, rank, tensors)
             bad = self._receive(plan, rank, tensors)
             if bad:
-                exclude = exclude | bad
-                self._emit("transfer_rejected", pairs=[(p.src, p.dst) for p in sorted(bad, key=str)])
+                rejected |= Rejected(pairs=bad)
+                pairs = [(p.src, p.dst) for p in sorted(bad, key=str)]
+                reasons.append(f"transfers {pairs} failed their checksum")
+                self._emit("transfer_rejected", pairs=pairs)
                 continue
             payload = self._receive_loop(plan, rank, loop)
+            mine, failed = self._verify(plan, rank, tensors, payload)
+            if failed:
+                for verdict in failed:
+                    rejected |= verdict.rejection()
+                    reasons.append(verdict.describe())
+                continue
+            if rank in plan.lost:  # its state now, verified: recorded as its own (a later restore's)
+                self._record(plan.step, mine)
             checkpoint = decode_loop_state(payload)
             set_param_groups(optimizers, [s["param_groups"] for s in checkpoint["optimizer_states"]])
             set_rng_state(checkpoint.pop("ckless_rng", None))
-            snapshots.resumed_at(plan.step)
+            snapshots.resumed_at(plan.step, payload)
             self._emit(
                 "memory_restore",
                 step=plan.step,
@@ -157,13 +171,16 @@ class MemoryRestore:
                 sources=[(p.src, p.dst) for p in plan.transfers],
                 rollback=sorted(plan.rollback),
                 reason=plan.reason,
+                verified=True,
+                rejected=reasons,
                 peak_rss=peak_rss_bytes(),  # since state_released (its rss): what the recovery added
             )
             if rank == 0:
-                print(f"tier 4: {plan.reason}", file=sys.stderr)
+                print(f"tier 4: {plan.reason}, verified", file=sys.stderr)
             return checkpoint
         return self._fall_back(
-            SourceMap(None, (), frozenset(), tuple(sorted(by_rank)), "every source failed its checksum")
+            SourceMap(None, (), frozenset(), tuple(sorted(by_rank)), "no source left after rejections"),
+            reasons,
         )
 
     # -- pieces ----------------------------------------------------------------------------------------
@@ -180,16 +197,17 @@ class MemoryRestore:
         snapshots = self.snapshots
         if self.adopted and (rank in plan.lost or rank in plan.rollback):
             # The live capture is this model's storage, about to be overwritten: no longer a capture.
-            snapshots.drop_live()
+            snapshots.drop_capture()
         if rank in plan.lost:
             return b""
         if rank in plan.rollback:
             copy = snapshots.own_copy(plan.step)  # type: ignore[arg-type]
             copy_into(tensors, copy.buffer.views)
             return copy.loop_bytes()
-        assert snapshots.live_tensors is not None and snapshots.live_loop is not None
-        copy_into(tensors, snapshots.live_tensors)
-        return snapshots.live_loop
+        capture = snapshots.capture
+        assert capture is not None and capture.step == plan.step, (capture, plan)
+        copy_into(tensors, capture.tensors)
+        return capture.loop
 
     def _receive(self, plan: SourceMap, rank: int, tensors: list[torch.Tensor]) -> frozenset[Transfer]:
         """Run the plan's transfers (all in parallel); returns the pairs whose checksum failed."""
@@ -219,14 +237,52 @@ class MemoryRestore:
             raise RuntimeError(f"loop state transfer failed its checksum: {err}") from err
         return received if rank in plan.lost else own_loop  # type: ignore[return-value]
 
-    def _fall_back(self, plan: SourceMap) -> Path:
+    def _verify(
+        self, plan: SourceMap, rank: int, tensors: list[torch.Tensor], loop: bytes
+    ) -> tuple[Verdict, list[Verdict]]:
+        """Every rank checks what it holds against its recorded fingerprint; returns this rank's
+        verdict and every rank's failed ones (the same list on every rank), each failure also a
+        ``restore_rejected`` event."""
+        verdict = verify_restored(
+            plan,
+            rank,
+            tensors,
+            loop,
+            store=self.generation.store,
+            job_rank=self.generation.job_rank,
+            ring=self.snapshots.fingerprint_ring,
+            buddy=self.snapshots.source == "buddy",
+        )
+        if not verdict.ok:
+            if self.events is not None:  # by job rank, like the records it was checked against
+                self.events.emit("restore_rejected", gen=self.generation.number, **verdict.event_fields())
+            print(f"tier 4: rejected {verdict.describe()}", file=sys.stderr)
+        verdicts: list[Verdict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, verdict)
+        return verdict, [v for v in verdicts if v is not None and not v.ok]
+
+    def _record(self, step: int, verdict: Verdict) -> None:
+        assert verdict.got is not None
+        fingerprint = replace(StateFingerprint.parse(verdict.got), gen=self.generation.number)
+        self.generation.store.record_state(
+            self.generation.job_rank(dist.get_rank()),
+            step,
+            fingerprint.encode(),
+            ring=self.snapshots.fingerprint_ring,
+        )
+
+    def _fall_back(self, plan: SourceMap, rejected: list[str] | None = None) -> Path:
         disk = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
         self.snapshots.resumed_at(None)
+        self.generation.store.begin_timeline(self.generation.number)
+        if rejected:
+            plan = replace(plan, reason=f"{plan.reason} (rejected: {'; '.join(rejected)})")
         self._emit(
             "memory_restore",
             step=None,
             lost=list(plan.lost),
             reason=plan.reason,
+            rejected=rejected or [],
             fallback=str(disk) if disk else None,
         )
         if disk is None:

@@ -7,9 +7,11 @@ CPU with gloo, apart from the Lightning strategy that drives them.
 
 from __future__ import annotations
 
-from ckless_lightning.replication.snapshots import FlatBuffer, Snapshot, SnapshotCopies
+from ckless_lightning.replication.fingerprint import StateFingerprint
+from ckless_lightning.replication.snapshots import FlatBuffer, LiveCapture, Snapshot, SnapshotCopies
 from ckless_lightning.replication.source_map import (
     RankReport,
+    Rejected,
     SourceMap,
     buddy_rank,
     buddy_sources,
@@ -31,10 +33,13 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BucketLayout",
     "FlatBuffer",
+    "LiveCapture",
     "RankReport",
+    "Rejected",
     "Snapshot",
     "SnapshotCopies",
     "SourceMap",
+    "StateFingerprint",
     "Transfer",
     "TransferError",
     "buddy_rank",

@@ -1,6 +1,15 @@
 """What a rank keeps in host memory for tier 4, across generations: its live state's step and
 loop counters, and (``buddy`` source) snapshot copies of its own shard and of its ward's.
 
+Each recorded step also gets a :class:`~ckless_lightning.replication.fingerprint.StateFingerprint`
+of the state it describes (:meth:`SnapshotCopies.record` returns it; the caller stores it where it
+outlives the rank), which a restore verifies the state it ends up with against.
+
+What a rank offers when it leaves a generation is a :class:`LiveCapture`: views of its live
+tensors, labelled with the step and loop state they held then. It belongs to the recovery that
+follows: a restore consumes it, and a generation that resumes from anything but memory drops it
+(:meth:`SnapshotCopies.resumed_at`).
+
 Buddy placement: rank r's copies live on ``buddy_rank(r)`` = (r + offset) % world;
 the rank whose copies r holds is its *ward*, (r - offset) % world. After every
 ``every_n_steps``-th committed step each rank copies its local state into one
@@ -25,10 +34,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckless_lightning.replication.fingerprint import (
+    StateFingerprint,
+    flat_fingerprint,
+    loop_fingerprint,
+    tensors_fingerprint,
+)
 from ckless_lightning.replication.source_map import RankReport, buddy_rank
 from ckless_lightning.replication.state import LiveParam, flat_tensors
 
-__all__ = ["FlatBuffer", "Snapshot", "SnapshotCopies"]
+__all__ = ["FlatBuffer", "LiveCapture", "Snapshot", "SnapshotCopies"]
 
 _ALIGN = 8
 _HEADER = 8  # the loop buffer starts with its payload length (int64)
@@ -43,6 +58,8 @@ class FlatBuffer:
         for t in like:
             offsets.append(total)
             total += -(-(t.numel() * t.element_size()) // _ALIGN) * _ALIGN
+        self.offsets = offsets  # where each view starts (bytes, 8-aligned)
+        self.tensor_bytes = total  # the views and their zero padding; the tail follows
         # Pinned where a GPU is: device-to-host copies of the shard then run at full bandwidth.
         self.flat = torch.zeros(
             max(total + tail_bytes, _ALIGN), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
@@ -52,6 +69,10 @@ class FlatBuffer:
             for off, t in zip(offsets, like, strict=True)
         ]
         self.tail = self.flat[total : total + tail_bytes]
+
+    def fingerprint(self) -> str:
+        """The fingerprint of the tensors held (as ``tensors_fingerprint(self.views)``), in one pass."""
+        return flat_fingerprint(self.flat, self.offsets, self.tensor_bytes)
 
     def matches(self, like: Sequence[torch.Tensor]) -> bool:
         return len(like) == len(self.views) and all(
@@ -76,6 +97,18 @@ class Snapshot:
         return bytes(self.loop[_HEADER : _HEADER + n].numpy())
 
 
+@dataclass(frozen=True)
+class LiveCapture:
+    """A rank's live state as it left a generation: views of its tensors (``params``, and the same
+    flat in :func:`~ckless_lightning.replication.state.local_state_tensors` order), and the step and
+    loop state they held then (the state's label: what a restore verifies it against)."""
+
+    params: list[LiveParam]
+    tensors: list[torch.Tensor]
+    step: int
+    loop: bytes
+
+
 @dataclass
 class _Exchange:
     works: list[Any]
@@ -94,10 +127,9 @@ class SnapshotCopies:
     every_n_steps: int = 1
     buddy_offset: int = 1
     loop_capacity: int = 1 << 20
-    live_step: int | None = None  # step of the live tensors, None if untrusted
-    live_loop: bytes | None = None
-    live_params: list[LiveParam] | None = None  # captured when leaving a generation
-    live_tensors: list[torch.Tensor] | None = None  # the same, flat (``flat_tensors``)
+    live_step: int | None = None  # step of the training state (last recorded or restored), None: unknown
+    live_loop: bytes | None = None  # its loop state
+    capture: LiveCapture | None = None  # the live state offered to the recovery in progress
     own: list[Snapshot] = field(default_factory=list)
     held: list[Snapshot] = field(default_factory=list)
     group: Any = None  # the exchange's process group (buddy), one per generation
@@ -110,26 +142,49 @@ class SnapshotCopies:
         self.buddy = buddy_rank(self.rank, world_size=self.world_size, offset=self.buddy_offset)
         self.ward = (self.rank - self.buddy_offset) % self.world_size
 
+    @property
+    def fingerprint_ring(self) -> int:
+        """How many steps' fingerprints a rank keeps recorded: enough for the oldest copy a restore
+        can still use (two slots, ``every_n_steps`` apart, behind the live step)."""
+        return 2 * self.every_n_steps + 2
+
     # -- steady state ----------------------------------------------------------------------------------
     def attach(self, group: Any) -> None:
         """A new generation's exchange group (buddy); the ward's shard shapes are learned again."""
         self.group = group
         self._ward_like = None
 
-    def record(self, step: int, loop: bytes, tensors: Sequence[torch.Tensor]) -> None:
-        """After committed step ``step``: remember its loop state; every k-th step, copy and exchange."""
+    def copies_at(self, step: int) -> bool:
+        """Whether ``step``'s record makes a copy and exchanges it (buddy, every k-th step)."""
+        return self.source == "buddy" and step % self.every_n_steps == 0
+
+    def record(
+        self, step: int, loop: bytes, tensors: Sequence[torch.Tensor], *, gen: int
+    ) -> StateFingerprint:
+        """After committed step ``step`` (in generation ``gen``): remember its loop state; every k-th
+        step, copy the state into an own slot. Returns the state's fingerprint; record it where it
+        outlives this rank, then call :meth:`exchange` (a held copy must never exist unrecorded)."""
         self.live_step, self.live_loop = step, loop
-        if self.source != "buddy" or step % self.every_n_steps:
-            return
+        if not self.copies_at(step):
+            return StateFingerprint(step, gen, tensors_fingerprint(tensors), loop_fingerprint(loop))
         self.settle()
         own = self._slot(self.own, tensors, step)
         with torch.no_grad():  # one fused call: a copy_ per tensor costs more than the bytes here
             torch._foreach_copy_(own.buffer.views, list(tensors), non_blocking=True)
-        if tensors and tensors[0].is_cuda:
-            torch.cuda.current_stream().synchronize()  # the exchange's gloo threads read the buffer
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.current_stream().synchronize()  # the host reads the buffer next
         self._write_loop(own, loop)
         own.step, own.complete = step, True
-        held = self._slot(self.held, self._ward_shapes(tensors), step)
+        # The copy is the state, in one flat buffer: fingerprinted in one pass.
+        return StateFingerprint(step, gen, own.buffer.fingerprint(), loop_fingerprint(loop))
+
+    def exchange(self, step: int) -> None:
+        """After :meth:`record` of a copy step: send the own copy of ``step`` to the buddy and receive
+        the ward's into a held slot, in the background (:meth:`settle` waits for it)."""
+        if not self.copies_at(step):
+            return
+        own = self.own_copy(step)
+        held = self._slot(self.held, self._ward_shapes(own.buffer.views), step)
         held.complete = False
         ops = [
             dist.P2POp(dist.isend, own.buffer.flat, peer=self.buddy, group=self.group),
@@ -159,25 +214,25 @@ class SnapshotCopies:
 
     # -- recovery --------------------------------------------------------------------------------------
     def capture_live(self, params: list[LiveParam] | None, *, trusted: bool) -> None:
-        """On leaving a generation: keep the live state (views) if this rank's state is trustworthy."""
+        """On leaving a generation: offer the live state (views) if this rank's state is trustworthy,
+        labelled with the last recorded step and its loop state; else offer none."""
         self.settle()
-        if not trusted or params is None:
+        if not trusted or params is None or self.live_step is None or self.live_loop is None:
             self.live_step, self.live_loop = None, None
-            self.drop_live()
+            self.capture = None
         else:
-            self.live_params, self.live_tensors = params, flat_tensors(params)
+            self.capture = LiveCapture(params, flat_tensors(params), self.live_step, self.live_loop)
 
-    def drop_live(self) -> None:
+    def drop_capture(self) -> None:
         """Forget the live capture (its tensors are about to be overwritten, or are not wanted)."""
-        self.live_params, self.live_tensors = None, None
+        self.capture = None
 
     def report(self) -> RankReport:
-        has_live = self.live_tensors is not None and self.live_step is not None
         own = frozenset(s.step for s in self.own if s.complete)
         held = frozenset(s.step for s in self.held if s.complete)
         return RankReport(
             rank=self.rank,
-            live_step=self.live_step if has_live else None,
+            live_step=self.capture.step if self.capture is not None else None,
             own_steps=own,
             held={self.ward: held} if self.source == "buddy" else {},
         )
@@ -188,9 +243,13 @@ class SnapshotCopies:
     def held_copy(self, step: int) -> Snapshot:
         return next(s for s in self.held if s.complete and s.step == step)
 
-    def resumed_at(self, step: int | None) -> None:
-        """Training resumes at ``step`` (None: from disk): drop the live capture and newer copies."""
-        self.drop_live()
+    def resumed_at(self, step: int | None, loop: bytes | None = None) -> None:
+        """Training resumes at ``step`` with ``loop`` (a verified memory restore), or from a disk
+        checkpoint or the job's start (``None``): the capture is consumed, and copies newer than the
+        resume point (all of them, from disk: they belong to a timeline the job has left) dropped."""
+        self.drop_capture()
+        restored = step is not None and loop is not None
+        self.live_step, self.live_loop = (step, loop) if restored else (None, None)
         for slot in [*self.own, *self.held]:
             if step is None or slot.step > step:
                 slot.complete = False

@@ -26,6 +26,7 @@ from ckless_lightning.replication.transfer import Transfer
 
 __all__ = [
     "RankReport",
+    "Rejected",
     "SourceMap",
     "buddy_rank",
     "buddy_sources",
@@ -52,6 +53,45 @@ class RankReport:
     live_step: int | None
     own_steps: frozenset[int] = frozenset()
     held: dict[int, frozenset[int]] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Sources a restore found bad (a checksum failed in flight, or the state a rank ended up with
+    did not match its recorded fingerprint): not planned again in that restore.
+
+    ``live``: ranks whose live state is rejected. ``own``: (rank, step) own copies. ``held``:
+    (holder, ward, step) copies a buddy holds. ``pairs``: (source, destination) transfers (HSDP
+    replicas, and any pair whose checksum failed).
+    """
+
+    live: frozenset[int] = frozenset()
+    own: frozenset[tuple[int, int]] = frozenset()
+    held: frozenset[tuple[int, int, int]] = frozenset()
+    pairs: frozenset[Transfer] = frozenset()
+
+    def __or__(self, other: Rejected) -> Rejected:
+        return Rejected(
+            self.live | other.live, self.own | other.own, self.held | other.held, self.pairs | other.pairs
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.live or self.own or self.held or self.pairs)
+
+    def apply(self, reports: dict[int, RankReport]) -> dict[int, RankReport]:
+        """``reports`` without the rejected live states and copies (a planner's input)."""
+        out = {}
+        for r, report in reports.items():
+            out[r] = RankReport(
+                rank=report.rank,
+                live_step=None if r in self.live else report.live_step,
+                own_steps=frozenset(s for s in report.own_steps if (r, s) not in self.own),
+                held={
+                    ward: frozenset(s for s in steps if (r, ward, s) not in self.held)
+                    for ward, steps in report.held.items()
+                },
+            )
+        return out
 
 
 @dataclass(frozen=True)
