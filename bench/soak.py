@@ -25,6 +25,19 @@ Printed:
 
 Extra arguments are Hydra overrides for both runs. Progress goes to stderr. Takes about
 ``faults x (mtbf x step time + recovery)``; ``--faults 20`` is a few minutes here.
+
+    python bench/soak.py --seeds 20 [--first-seed 0] [--faults 10] [--chaos-mtbf-s 2] [--steps 40]
+                         [--shape buddy4 | buddy3 | hsdp | mixtral] [override ...]
+
+Many seeds instead of one long job: one fault-free reference of the shape, then one ``fault=chaos``
+job per seed (``--faults`` SIGKILLs and SIGSTOPs of ranks, warm spares, the batch-cache reader and
+the fork server, mean ``--chaos-mtbf-s`` seconds apart from the job's start, so in start-up,
+steps, recoveries and process-group formation alike; a disk checkpoint every 5 steps for a rank
+and its buddy lost together), on the tests' short sequences. One row per seed: faults that hit
+(ranks / other processes), generations, exit code, bitwise equal to the reference (losses, final
+weights and optimizer state), steps redone, sources a verified restore rejected, leftovers
+(processes, batch-cache directories), wall time; then the totals. Exit code 1 if any run diverged,
+left something behind or did not exit 0. A run that is not equal keeps its directory (path printed).
 """
 
 from __future__ import annotations
@@ -85,10 +98,109 @@ def cache_dirs(events: list[dict]) -> list[str]:
     return sorted(r for r in roots if Path(r).exists())
 
 
+# --seeds: the job shapes the CI chaos test runs too (tests/test_chaos.py)
+SHAPES = {
+    "buddy4": ["recipe=llama3_tiny", "replication.source=buddy"],
+    "buddy3": [
+        "recipe=llama3_tiny",
+        "replication.source=buddy",
+        "cluster.nproc_per_node=3",
+        "trainer.global_batch_size=12",
+    ],
+    "hsdp": ["recipe=llama3_tiny", "cluster.replicate=2", "replication.source=hsdp"],
+    "mixtral": ["recipe=mixtral_tiny", "replication.source=buddy"],
+}
+SHORT = ["data.seq_len=32", "data.max_source_bytes=2000000", "timeline=false"]
+
+
+def seed_rows(args: argparse.Namespace) -> int:
+    """``--seeds``: one chaos job per seed against one reference; a row per seed. Returns the exit code."""
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="ckless-soak-seeds-"))
+    common = [
+        "tier=4",
+        f"trainer.max_steps={args.steps or 40}",
+        "trainer.enable_progress_bar=false",
+        "agent.hang_timeout=6",
+        "agent.recovery_timeout=120",
+        "comm.init_timeout_s=60",
+        "checkpoint.every_n_steps=5",
+        f"data.cache_dir={work / 'data'}",
+        *SHORT,
+        *SHAPES[args.shape],
+        *args.overrides,
+    ]
+    steps = args.steps or 40
+    reference = work / "reference"
+    if launch(reference, [*common, "fault=none"], 600 + steps * 10) != 0:
+        print(f"the fault-free reference failed: see {reference}.log")
+        return 1
+    mtbf = args.chaos_mtbf_s or 2.0
+    print(
+        f"chaos soak, {args.shape} ({' '.join(SHAPES[args.shape])}), {steps} steps, up to {args.faults} "
+        f"faults per run, mean {mtbf:g} s apart, {time.strftime('%Y-%m-%d')}"
+    )
+    header = f"{'seed':>4} {'faults':>9} {'gens':>4} {'exit':>4} {'bitwise':>8} {'redone':>6} "
+    print(header + f"{'rejected':>8} {'leftovers':>9} {'wall s':>7}")
+    bad = 0
+    totals = {"faults": 0, "divergent": 0, "leftovers": 0, "rejected": 0}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        run = work / f"seed{seed}"
+        chaos = [
+            "fault=chaos",
+            f"fault.mtbf_s={mtbf}",
+            f"fault.max_faults={args.faults}",
+            f"fault.seed={seed}",
+            f"agent.max_restarts={args.faults * 3 + 10}",
+        ]
+        code = launch(run, [*common, *chaos], 900 + steps * 10)
+        events = read_events(run / "events.jsonl") if (run / "events.jsonl").exists() else []
+        left = sorted(set(leftovers(run)) | set(started_alive(events))) + cache_dirs(events)
+        ranks = sum(1 for e in events if e["kind"] == "fault_injected")
+        others = sum(1 for e in events if e["kind"] == "process_fault_injected")
+        rejected = sum(1 for e in events if e["kind"] == "restore_rejected")
+        summary = summarize_run(run)
+        equal: bool | None = None
+        if code == 0:
+            try:
+                assert_same_run(run, reference, work, steps)
+                equal = True
+            except AssertionError:
+                equal = False
+        verdict = {True: "equal", False: "DIFFERS", None: "-"}[equal]
+        print(
+            f"{seed:>4} {f'{ranks}/{others}':>9} {summary.generations:>4} {code:>4} {verdict:>8} "
+            f"{summary.steps_lost:>6} {rejected:>8} {len(left):>9} {summary.wall_s or 0:>7.1f}",
+            flush=True,
+        )
+        for item in left:
+            print(f"     left: {item}")
+        totals["faults"] += ranks + others
+        totals["divergent"] += equal is False
+        totals["leftovers"] += len(left)
+        totals["rejected"] += rejected
+        if code != 0 or equal is not True or left:
+            bad += 1
+            print(f"     kept: {run} (log {run}.log)")
+        else:
+            subprocess.run(["rm", "-rf", str(run)], check=False)
+    print(
+        f"{args.seeds} runs, {totals['faults']} faults, {totals['divergent']} divergent, "
+        f"{totals['leftovers']} leftovers, {totals['rejected']} sources rejected by verification, "
+        f"{bad} runs not clean ({time.monotonic() - started:.0f} s)"
+    )
+    if not bad and not args.keep:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+    return 1 if bad else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--seeds", type=int, default=None, help="one chaos job per seed (see above)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="buddy4", help="with --seeds")
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--mtbf-steps", type=float, default=3.0)
     parser.add_argument("--tier", type=int, default=4)
@@ -102,6 +214,10 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the run directories (path printed)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both runs")
     args = parser.parse_args()
+    if args.seeds is not None:
+        if args.faults == parser.get_default("faults"):
+            args.faults = 10
+        sys.exit(seed_rows(args))
 
     chaos = args.chaos_mtbf_s is not None
     if args.steps is not None:

@@ -203,6 +203,51 @@ def test_lost_replica_pair_and_corrupt_bucket_fall_back_to_disk(tmp_path, data_c
 
 
 @pytest.mark.timeout(600)
+def test_divergence_a_start_over_then_a_buddy_restore_ends_bitwise(tmp_path, data_cache, references):
+    """The chaos run that ended with exit 0 and other losses, as a plan. Rank 3 dies after its update
+    of step 1, so no rank finishes recording step 1 (the first record's exchange needs rank 3): the
+    next generation starts over from the job's start, while ranks 0-2 still hold the live capture
+    they took leaving generation 0 (step 1). They train steps 1-3 again; rank 2 dies in step 4; the
+    survivors must offer their step-3 state, not the step-1 capture (which they once adopted as
+    "step 3": every loss from step 4 differed). Every restore is verified against the recorded
+    fingerprints."""
+    plan = [("kill", 3, 1, "optimizer"), ("kill", 2, 4, "forward")]
+    run = run_plan(tmp_path, data_cache, "llama3_tiny", BUDDY, plan, *NO_DISK)
+    assert_same_run(run, references["llama3_tiny", "buddy"], tmp_path, STEPS)
+    phases = events_of(run, "rank_phase")
+    start_over = [e for e in phases if e["phase"] == "resume_chosen" and e["resumed_from"] is None]
+    assert start_over and {e["gen"] for e in start_over} == {1}, start_over
+    [last] = {e["gen"] for e in events_of(run, "memory_restore")}
+    done = [e for e in events_of(run, "memory_restore") if e["gen"] == last]
+    assert {(e["step"], tuple(e["lost"]), e["verified"]) for e in done} == {(3, (2,), True)}, done
+    assert not events_of(run, "restore_rejected")
+    captured = [e for e in phases if e["phase"] == "live_captured" and e["gen"] == 1]
+    assert sorted(e["rank"] for e in captured if e["trusted"]) == [0, 1, 3], captured
+
+
+@pytest.mark.timeout(600)
+def test_verified_restore_rejects_a_corrupted_held_copy(tmp_path, data_cache, references):
+    """Rank 3 flips a byte of the loop state in the copy it holds of rank 2 (step 4, in host memory,
+    after it arrived), then rank 2 dies in step 5. The transfer's checksums pass (rank 3 sends what
+    it holds); the restored rank's verification against the fingerprint rank 2 recorded after step
+    4 does not: that copy is rejected, never trained on, and every rank goes back to step 3 (the
+    older copies), one step redone, bitwise equal in the end. The summary says what was rejected."""
+    plan = [("corrupt_copy", 3, 5, "data"), ("kill", 2, 5, "forward")]
+    run = run_plan(tmp_path, data_cache, "llama3_tiny", BUDDY, plan, *NO_DISK)
+    assert_same_run(run, references["llama3_tiny", "buddy"], tmp_path, STEPS)
+    [rejected] = events_of(run, "restore_rejected")
+    assert (rejected["rank"], rejected["state"], rejected["holder"]) == (2, "buddy", 3), rejected
+    assert (rejected["step"], rejected["problem"]) == (4, "loop"), rejected
+    assert not events_of(run, "transfer_rejected")
+    done = restores(run)
+    assert [(r["step"], r["rollback"], r["verified"]) for r in done] == [(3, [0, 1, 3], True)], done
+    summary = summarize_run(run)
+    assert summary.restores_verified == 1 and len(summary.rejected) == 1, summary.format()
+    assert "rank 2's copy on rank 3 (step 4): loop differs" in summary.format()
+    assert [f.steps_lost for f in summary.faults] == [1], summary.format()  # the corrupt copy opens no row
+
+
+@pytest.mark.timeout(600)
 def test_state_lost_with_no_disk_checkpoint_starts_over_bitwise(tmp_path, data_cache, references):
     """Shard 1 of both replicas killed at step 4 with no disk checkpoint: no copy of that state is
     left anywhere, so every rank starts over from the job's start (seeded init, step-addressed

@@ -27,6 +27,9 @@ from ckless_lightning.record.events import read_events, read_jsonl
 __all__ = ["FaultRecovery", "JobSummary", "summarize", "summarize_run"]
 
 _FAULT_KINDS = ("fault_injected", "fault_detected", "generation")
+# Injected faults that stop nothing: a held copy corrupted in memory is found only if a restore uses
+# it (``restore_rejected``), so it opens no recovery of its own.
+_SILENT_FAULTS = ("corrupt_copy",)
 
 
 @dataclass
@@ -94,6 +97,10 @@ class JobSummary:
     # job never resized), and its resizes as (reason, generation, width).
     width_s: dict[int, float] = field(default_factory=dict)
     resizes: list[tuple[str, int, int]] = field(default_factory=list)
+    # Tier 4: restores served from memory (each verified against the recorded fingerprints), and the
+    # sources a restore rejected, as "gen <g>: <what and why>" (``restore_rejected``).
+    restores_verified: int = 0
+    rejected: list[str] = field(default_factory=list)
 
     def format(self) -> str:
         """A plain-text report, at most ~100 columns for typical fault names."""
@@ -167,6 +174,9 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
     if summary.steps_done:
         summary.ml_goodput = summary.steps_done / (summary.steps_done + summary.steps_lost)
     _widths(summary, events, starts, ends)
+    # Every rank emits a ``memory_restore``; one restore per generation that restored from memory.
+    summary.restores_verified = len({e["gen"] for e in _of(events, "memory_restore") if e.get("verified")})
+    summary.rejected = [f"gen {e['gen']}: {e['reason']}" for e in _of(events, "restore_rejected")]
     return summary
 
 
@@ -206,7 +216,7 @@ def _fault_openers(events: list[dict[str, Any]]) -> list[int]:
         if event["kind"] == "generation":
             open_since_generation = False
             latest_gen = max(latest_gen, int(event["gen"]))
-        elif event["kind"] == "fault_injected" or (
+        elif (event["kind"] == "fault_injected" and event.get("fault_type") not in _SILENT_FAULTS) or (
             event["kind"] == "fault_detected"
             and not open_since_generation
             # tiers 3-4: a rank may move the job on before the agent reports the dead process
@@ -451,7 +461,20 @@ def _footer(s: JobSummary) -> list[str]:
         f"ML goodput       {_percent(s.ml_goodput)} = steps kept / steps computed ({s.steps_lost} lost)",
         f"generations      {s.generations}",
         *_width_lines(s),
+        *_verification_lines(s),
         f"exit status      {status}",
+    ]
+
+
+def _verification_lines(s: JobSummary) -> list[str]:
+    """Tier 4: how many restores were verified against the recorded fingerprints, and each source a
+    restore rejected (never trained on: that restore planned again without it)."""
+    if not s.restores_verified and not s.rejected:
+        return []
+    rejected = f"; {len(s.rejected)} source(s) rejected, not trained on:" if s.rejected else ""
+    return [
+        f"verified         {s.restores_verified} restore(s) from memory matched the recorded state{rejected}",
+        *(f"  rejected       {line}" for line in s.rejected),
     ]
 
 

@@ -438,6 +438,18 @@ class JobConfig:
             raise ValueError(
                 "fault.type=bitflip would go unnoticed with replication.digest_every=0; set it to N >= 1"
             )
+        copies = [f for f in faults if f.type == "corrupt_copy"]
+        if copies and (self.tier != 4 or self.replication.resolved_source(self.cluster.replicate) != "buddy"):
+            raise ValueError(
+                "fault.type=corrupt_copy corrupts a buddy copy held in host memory: it needs tier=4 and "
+                f"replication.source=buddy (tier={self.tier}, replication.source={self.replication.source})"
+            )
+        every = self.replication.every_n_steps
+        if any(f.step <= every for f in copies):
+            raise ValueError(
+                f"fault.type=corrupt_copy needs a copy to corrupt: the first arrives after step {every} "
+                f"(replication.every_n_steps); set fault.step > {every}"
+            )
         if not self.data.mmap_cache and any(f.type == "reader_stall" for f in faults):
             raise ValueError(
                 "fault.type=reader_stall stalls the batch-cache reader, but data.mmap_cache is off; "

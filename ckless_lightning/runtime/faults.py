@@ -48,6 +48,10 @@ __all__ = [
 # "bitflip" (tiers 3-4, HSDP): flips one bit of rank fault.rank's local shard of parameter fault.tensor
 # (null: the first parameter by name) in phase fault.phase of step fault.step: silent corruption, found
 # by the replicas' state digest in the commit vote (ckless_lightning.recovery.digest).
+# "corrupt_copy" (tier 4, buddy copies): rank fault.rank flips a byte of the loop state (data
+# position, RNG, step counters) in the newest complete copy it holds of its ward, in phase fault.phase
+# of step fault.step: corruption in host memory after the copy arrived, which no checksum in flight
+# sees; a restore from that copy fails its verification against the ward's recorded fingerprint.
 # "reader_stall" (tier 2+): node fault.node's batch-cache reader stops building when it reaches the
 # batch of step fault.step, still running: only the agent's progress check of the reader finds it.
 # "slot_lost" (tiers 3-4, from outside): rank fault.rank's device is lost in step fault.step: its
@@ -63,6 +67,7 @@ FAULT_TYPES = (
     "node_loss",
     "corrupt",
     "bitflip",
+    "corrupt_copy",
     "random",
     "plan",
     "chaos",
@@ -166,6 +171,11 @@ class FaultConfig:
                 "fault.type=bitflip flips a bit in fault.rank's parameters from inside the rank, during a "
                 f"step: set fault.injected_by=inside and fault.phase to one of {_choices(STEP_PHASES)}"
             )
+        if self.type == "corrupt_copy" and (self.phase not in STEP_PHASES or self.injected_by != "inside"):
+            raise ValueError(
+                "fault.type=corrupt_copy corrupts a copy fault.rank holds, from inside the rank, during a "
+                f"step: set fault.injected_by=inside and fault.phase to one of {_choices(STEP_PHASES)}"
+            )
         if self.type == "slot_lost" and self.injected_by != "outside":
             raise ValueError(
                 "fault.type=slot_lost takes a device away from the rank's node agent: set "
@@ -215,7 +225,7 @@ class FaultConfig:
             if entry.get("type") in (None, "none", "random", "plan", "chaos"):
                 raise ValueError(
                     f"fault.plan[{i}].type must be one of kill | hang | stall | exception | node_loss | "
-                    f"corrupt | bitflip | slot_lost, got {entry.get('type')!r}"
+                    f"corrupt | bitflip | corrupt_copy | slot_lost, got {entry.get('type')!r}"
                 )
             try:
                 entries.append(FaultConfig(**entry))

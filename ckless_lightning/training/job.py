@@ -202,9 +202,12 @@ class _RankRun:
         ctx = self.context
         self.events.emit("rank_phase", rank=ctx.rank, gen=ctx.generation, phase=name, **fields)
 
-    def fault_callback(self, generation: Callable[[], int] | None = None) -> FaultInjectionCallback:
+    def fault_callback(
+        self, generation: Callable[[], int] | None = None, snapshots: SnapshotCopies | None = None
+    ) -> FaultInjectionCallback:
         """A fresh fault injector for this rank (one per Trainer); its ``fault_injected`` events carry
-        ``generation()`` at the time of the fault (default: the generation the process started in)."""
+        ``generation()`` at the time of the fault (default: the generation the process started in);
+        ``snapshots``: tier 4's copies (a ``corrupt_copy`` fault's target)."""
         ctx = self.context
         current = generation or (lambda: ctx.generation)
         return FaultInjectionCallback(
@@ -215,6 +218,7 @@ class _RankRun:
                 "fault_injected", **injected_event(spec, "inside"), gen=current()
             ),
             node_agent_pid=ctx.agent_pid,
+            snapshots=snapshots,
         )
 
 
@@ -346,7 +350,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         _generation(job, context, store),
         checkpoint_dir=job.checkpoint.dir,
         events=events,
-        faults=run.fault_callback(lambda: recovery.session.generation),
+        faults=run.fault_callback(lambda: recovery.session.generation, snapshots),
         snapshots=snapshots,
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
         digest=StateDigest(replication.digest_every) if replication.digest_every else None,
@@ -355,7 +359,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(
             job,
-            callbacks=[*callbacks, run.fault_callback(lambda: recovery.session.generation)],
+            callbacks=[*callbacks, run.fault_callback(lambda: recovery.session.generation, snapshots)],
             strategy=strategy,
             rank=context.rank,
             generation=recovery.session.generation,  # the generation just joined

@@ -41,7 +41,8 @@ it (the agent kills a stopped process at once); ``stall`` sleeps forever in
 this callback (the process runs: the agent's hang detection kills it); ``exception`` raises
 :class:`InjectedFault`; ``node_loss`` SIGKILLs the node's agent (its other
 ranks die with it through PR_SET_PDEATHSIG), then this process; ``bitflip`` flips one bit of
-a parameter's local shard (:func:`flip_bit`) and training goes on.
+a parameter's local shard (:func:`flip_bit`) and training goes on; ``corrupt_copy`` flips a byte of
+the loop state in the newest copy the rank holds of its ward (:func:`corrupt_held_loop`, tier 4).
 
 The callback keeps no training state: whether a fault has fired lives in the
 marker files of ``marker_dir``, so a restarted rank skips it and the callback
@@ -64,10 +65,11 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from ckless_lightning.replication import SnapshotCopies
 from ckless_lightning.runtime.faults import FaultSpec, claim_fault
 from ckless_lightning.training.steps import is_step_end
 
-__all__ = ["FaultInjectionCallback", "InjectedFault", "flip_bit"]
+__all__ = ["FaultInjectionCallback", "InjectedFault", "corrupt_held_loop", "flip_bit"]
 
 # A bitflip flips this bit of the first byte of the parameter's local shard: a low mantissa bit of
 # float32, the top mantissa bit of bfloat16; never an exponent bit (no inf or NaN that would
@@ -88,6 +90,19 @@ def flip_bit(module: torch.nn.Module, name: str | None) -> str:
     with torch.no_grad():
         local.reshape(-1).view(torch.uint8)[:1].bitwise_xor_(_FLIP_MASK)
     return name
+
+
+def corrupt_held_loop(snapshots: SnapshotCopies) -> int:
+    """Flip every bit of one byte in the middle of the loop state of the newest complete copy that
+    ``snapshots`` holds of its ward, in host memory (the copy has arrived: no transfer checksum
+    sees it); returns that copy's step. RuntimeError when no complete copy is held."""
+    held = [s for s in snapshots.held if s.complete]
+    if not held:
+        raise RuntimeError(f"rank {snapshots.rank} holds no complete copy of its ward to corrupt")
+    copy = max(held, key=lambda s: s.step)
+    length = len(copy.loop_bytes())
+    copy.loop[8 + length // 2] ^= 0xFF  # after the 8-byte length header
+    return copy.step
 
 
 class InjectedFault(RuntimeError):
@@ -114,6 +129,7 @@ class FaultInjectionCallback(pl.Callback):
         on_inject: called with the spec just before injecting; it must make its record durable
             (write and flush) before returning, because a ``kill`` follows at once.
         node_agent_pid: pid of this node's agent; required when a ``node_loss`` targets this rank.
+        snapshots: tier 4: this rank's copies; required when a ``corrupt_copy`` targets this rank.
     """
 
     def __init__(
@@ -124,8 +140,10 @@ class FaultInjectionCallback(pl.Callback):
         marker_dir: str | Path,
         on_inject: Callable[[FaultSpec], None] | None = None,
         node_agent_pid: int | None = None,
+        snapshots: SnapshotCopies | None = None,
     ) -> None:
         self.rank = rank
+        self.snapshots = snapshots
         self.marker_dir = Path(marker_dir)
         self.on_inject = on_inject
         self.node_agent_pid = node_agent_pid
@@ -136,6 +154,8 @@ class FaultInjectionCallback(pl.Callback):
                 "pass the pid of this node's agent, or inject the node loss from outside "
                 "(fault.injected_by=outside)"
             )
+        if snapshots is None and any(s.fault_type == "corrupt_copy" for s in self.specs):
+            raise ValueError(f"a corrupt_copy fault targets rank {rank}, which keeps no tier-4 copies")
         self._module: torch.nn.Module | None = None  # the fit's module (a bitflip's target)
         self._due: list[FaultSpec] = []  # faults of the micro-batch in flight
         self._forward_handle: RemovableHandle | None = None
@@ -286,6 +306,9 @@ class FaultInjectionCallback(pl.Callback):
         elif spec.fault_type == "bitflip":
             assert self._module is not None, "a bitflip fires during a step, after on_train_start"
             flip_bit(self._module, spec.tensor)
+        elif spec.fault_type == "corrupt_copy":
+            assert self.snapshots is not None
+            corrupt_held_loop(self.snapshots)
         else:
             raise AssertionError(f"unknown fault type {spec.fault_type!r}")
 
