@@ -36,8 +36,10 @@ steps, recoveries and process-group formation alike; a disk checkpoint every 5 s
 and its buddy lost together), on the tests' short sequences. One row per seed: faults that hit
 (ranks / other processes), generations, exit code, bitwise equal to the reference (losses, final
 weights and optimizer state), steps redone, sources a verified restore rejected, leftovers
-(processes, batch-cache directories), wall time; then the totals. Exit code 1 if any run diverged,
-left something behind or did not exit 0. A run that is not equal keeps its directory (path printed).
+(processes, batch-cache directories), the longest stall (the longest time the job's event log
+went without a record: a wait that nothing but its timeout ended), wall time; then the totals.
+Exit code 1 if any run diverged, left something behind, stalled longer than ``--max-stall-s``
+or did not exit 0; such a run keeps its directory (path printed).
 """
 
 from __future__ import annotations
@@ -113,6 +115,12 @@ SHAPES = {
 SHORT = ["data.seq_len=32", "data.max_source_bytes=2000000", "timeline=false"]
 
 
+def longest_stall(events: list[dict]) -> float:
+    """The longest time between two consecutive records of the event log (0 with fewer than two)."""
+    times = sorted(float(e["t"]) for e in events)
+    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+
+
 def seed_rows(args: argparse.Namespace) -> int:
     """``--seeds``: one chaos job per seed against one reference; a row per seed. Returns the exit code."""
     started = time.monotonic()
@@ -141,9 +149,9 @@ def seed_rows(args: argparse.Namespace) -> int:
         f"faults per run, mean {mtbf:g} s apart, {time.strftime('%Y-%m-%d')}"
     )
     header = f"{'seed':>4} {'faults':>9} {'gens':>4} {'exit':>4} {'bitwise':>8} {'redone':>6} "
-    print(header + f"{'rejected':>8} {'leftovers':>9} {'wall s':>7}")
+    print(header + f"{'rejected':>8} {'leftovers':>9} {'stall s':>7} {'wall s':>7}")
     bad = 0
-    totals = {"faults": 0, "divergent": 0, "leftovers": 0, "rejected": 0}
+    totals = {"faults": 0, "divergent": 0, "leftovers": 0, "rejected": 0, "stalled": 0}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         run = work / f"seed{seed}"
         chaos = [
@@ -160,6 +168,7 @@ def seed_rows(args: argparse.Namespace) -> int:
         others = sum(1 for e in events if e["kind"] == "process_fault_injected")
         rejected = sum(1 for e in events if e["kind"] == "restore_rejected")
         summary = summarize_run(run)
+        stall = longest_stall(events)
         equal: bool | None = None
         if code == 0:
             try:
@@ -170,7 +179,7 @@ def seed_rows(args: argparse.Namespace) -> int:
         verdict = {True: "equal", False: "DIFFERS", None: "-"}[equal]
         print(
             f"{seed:>4} {f'{ranks}/{others}':>9} {summary.generations:>4} {code:>4} {verdict:>8} "
-            f"{summary.steps_lost:>6} {rejected:>8} {len(left):>9} {summary.wall_s or 0:>7.1f}",
+            f"{summary.steps_lost:>6} {rejected:>8} {len(left):>9} {stall:>7.1f} {summary.wall_s or 0:>7.1f}",
             flush=True,
         )
         for item in left:
@@ -179,14 +188,16 @@ def seed_rows(args: argparse.Namespace) -> int:
         totals["divergent"] += equal is False
         totals["leftovers"] += len(left)
         totals["rejected"] += rejected
-        if code != 0 or equal is not True or left:
+        totals["stalled"] += stall > args.max_stall_s
+        if code != 0 or equal is not True or left or stall > args.max_stall_s:
             bad += 1
             print(f"     kept: {run} (log {run}.log)")
         else:
             subprocess.run(["rm", "-rf", str(run)], check=False)
     print(
         f"{args.seeds} runs, {totals['faults']} faults, {totals['divergent']} divergent, "
-        f"{totals['leftovers']} leftovers, {totals['rejected']} sources rejected by verification, "
+        f"{totals['leftovers']} leftovers, {totals['stalled']} stalled over {args.max_stall_s:g} s, "
+        f"{totals['rejected']} sources rejected by verification, "
         f"{bad} runs not clean ({time.monotonic() - started:.0f} s)"
     )
     if not bad and not args.keep:
@@ -200,6 +211,7 @@ def main() -> None:
     )
     parser.add_argument("--seeds", type=int, default=None, help="one chaos job per seed (see above)")
     parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--max-stall-s", type=float, default=60.0, help="with --seeds: a longer stall fails")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="buddy4", help="with --seeds")
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--mtbf-steps", type=float, default=3.0)

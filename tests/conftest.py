@@ -113,6 +113,21 @@ TINY_HSDP_REFERENCE = (
     "checkpoint.every_n_steps=0",
     "data.record_samples=true",
 )
+# Mixtral with buddy copies at tier 4 on 4 ranks (test_tier4.py's and test_chaos.py's reference), and
+# llama3_tiny on 3 ranks (uneven shards; test_chaos.py's).
+MIXTRAL_REFERENCE = (
+    "recipe=mixtral_tiny",
+    "trainer.max_steps=12",
+    "tier=4",
+    "replication.source=buddy",
+    "checkpoint.every_n_steps=0",
+)
+THREE_RANK_REFERENCE = (
+    "recipe=llama3_tiny",
+    "trainer.max_steps=12",
+    "cluster.nproc_per_node=3",
+    "trainer.global_batch_size=12",
+)
 REFERENCE_LOCK_TIMEOUT_S = 900  # another test process building the same run (a 4-rank job: ~1 min)
 
 
@@ -147,6 +162,7 @@ def reference_run(data_cache: Path):
 SLOWEST_FILES = (
     "test_tier4.py",
     "test_agent.py",
+    "test_chaos.py",
     "test_tier3.py",
     "test_tier2.py",
     "test_models_sharded.py",

@@ -200,3 +200,61 @@ def test_generation_watch_that_missed_its_wake_up_rechecks_the_generation(store)
     time.sleep(0.8)
     assert cuts == [1] and watch.fired
     watch.stop()
+
+
+@pytest.mark.timeout(60)
+def test_generation_watch_ends_a_rank_the_cut_cannot_free(store):
+    """After its cut, a rank still blocked on peers ``exit_after_s`` in a row (here the main thread in
+    ``init_process_group``, waiting in C++ for a peer's address that never comes, as gloo waits for a
+    peer that left while it connects) is ended for its agent to replace it; never before the cut,
+    and never a rank that started leaving."""
+    from torch.distributed import PrefixStore
+
+    ended: list[float] = []
+    watch = GenerationWatch(
+        store,
+        0,
+        0,
+        waiter=store.another_client(),
+        on_stuck=lambda: None,
+        grace_s=0.1,
+        on_left_behind=lambda: ended.append(time.monotonic()),
+        exit_after_s=1.0,
+    )
+    watch.start()
+    mover = threading.Timer(0.5, lambda: store.advance_generation(0, world_size=2))
+    mover.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):  # rank 1 never publishes its address: torch's own bound ends it
+        dist.init_process_group(
+            "gloo",
+            store=PrefixStore("never-formed", store.another_client()._server),
+            rank=0,
+            world_size=2,
+            timeout=timedelta(seconds=5),
+        )
+    watch.stop()
+    mover.join()
+    assert len(ended) == 1 and 0.5 + 0.1 + 1.0 <= ended[0] - started < 4.5, (ended, started)
+
+
+def test_generation_watch_leaves_a_computing_or_leaving_rank_alone(store):
+    """Cut and then computing (a long step that meets its next collective later), or leaving: no end."""
+    for where, stop_after in (("running", 1.0), ("peers", 0.3)):
+        ended: list[int] = []
+        watch = GenerationWatch(
+            store,
+            store.generation(),
+            0,
+            waiter=store.another_client(),
+            on_stuck=lambda: None,
+            grace_s=0.0,
+            on_left_behind=lambda ended=ended: ended.append(1),
+            exit_after_s=0.5,
+        )
+        watch._sample = lambda where=where: where  # the main thread's position, as sampled
+        watch.start()
+        store.advance_generation(store.generation(), world_size=1)
+        time.sleep(stop_after)
+        watch.stop()  # the rank leaves (for "peers": before exit_after_s passed)
+        assert not ended, where

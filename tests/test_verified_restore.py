@@ -22,15 +22,17 @@ from dist import free_port, run_ranks
 from ckless_lightning.comm import Generation, JobStore
 from ckless_lightning.record.events import EventLog, read_events
 from ckless_lightning.recovery.memory import MemoryRestore, StartOver
+from ckless_lightning.recovery.verify import verify_restored
 from ckless_lightning.replication import (
     FlatBuffer,
     RankReport,
     Rejected,
     SnapshotCopies,
+    SourceMap,
     Transfer,
     buddy_sources,
 )
-from ckless_lightning.replication.fingerprint import StateFingerprint, tensors_fingerprint
+from ckless_lightning.replication.fingerprint import StateFingerprint, loop_fingerprint, tensors_fingerprint
 from ckless_lightning.replication.loop_state import encode_loop_state
 from ckless_lightning.replication.state import live_params, local_state_tensors, param_groups_of
 from ckless_lightning.training.callbacks.fault_injection import corrupt_held_loop
@@ -115,6 +117,32 @@ def test_verif_planner_never_uses_a_rejected_source():
     # Nothing of step 4 left for rank 2 either: fall back.
     rejected |= Rejected(held=frozenset({(3, 2, 4)}))
     assert buddy_sources(rejected.apply(reports), buddy_of=buddy).fallback
+
+
+def test_verif_a_replica_shard_is_checked_against_the_replicas_record():
+    """HSDP: rank 1 restored from its replica rank 3 takes rank 3's shard and loop state (the loop
+    states of replicas differ in the loader's dp rank): checked against rank 3's record; its own
+    record of the step, when it made one, must agree on the tensors."""
+    store = JobStore.host("127.0.0.1", 0, secret=SECRET)
+    tensors = _odd_tensors()
+    state = tensors_fingerprint(tensors)
+    plan = SourceMap(2, (Transfer(3, 1),), frozenset(), (1,), "rank 1 restored from replica peers (step 2)")
+    loop_of = {r: encode_loop_state({"dp_rank": r}) for r in (1, 3)}
+
+    def verdict():
+        return verify_restored(
+            plan, 1, tensors, loop_of[3], store=store, job_rank=lambda r: r, ring=4, buddy=False
+        )
+
+    assert verdict().problem == "no fingerprint recorded"  # rank 3 recorded nothing yet
+    store.record_state(3, 2, StateFingerprint(2, 0, state, loop_fingerprint(loop_of[3])).encode(), ring=4)
+    assert verdict().ok
+    store.record_state(1, 2, StateFingerprint(2, 0, state, loop_fingerprint(loop_of[1])).encode(), ring=4)
+    assert verdict().ok  # its own record: same tensors, its own dp rank in the loop
+    store.record_state(1, 2, StateFingerprint(2, 0, "0" * 32, loop_fingerprint(loop_of[1])).encode(), ring=4)
+    assert verdict().problem == "tensors"  # the replicas' records disagree: not trusted
+    store.begin_timeline(1)  # the job resumed from disk in generation 1: records of generation 0 are void
+    assert verdict().problem == "no fingerprint recorded"
 
 
 # -- the restore on 4 gloo ranks ------------------------------------------------------------------------

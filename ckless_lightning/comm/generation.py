@@ -30,6 +30,8 @@ class Generation:
         join_timeout_s: the longest join barrier before this generation (``comm.join_timeout_s``).
         stuck_grace_s: how long this rank may stay in the generation once the job left it
             (``comm.stuck_grace_s``); then its generation watch cuts its connections.
+        stuck_exit_s: how long it may then stay blocked on peers (``comm.stuck_exit_s``) before it
+            exits for its agent to replace it.
         active: an elastic generation that trains some of the job's ranks: their job ranks, in the
             order of their ranks here (``rank`` and ``world_size`` are this generation's); None:
             every job rank, rank ``r`` is job rank ``r``.
@@ -44,6 +46,7 @@ class Generation:
     init_timeout_s: float = 60.0
     join_timeout_s: float = 900.0
     stuck_grace_s: float = 0.25
+    stuck_exit_s: float = 10.0
     active: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -39,6 +39,8 @@ line N of ``losses.jsonl``. The kinds and their fields:
     ``live_captured`` {trusted, why} (tier 4, on leaving a generation: whether this rank
     offers its live state to the recovery, and why not), ``stuck_cut`` (the rank's
     generation watch cut its connections: it was still in a generation the job had left),
+    ``left_behind_exit`` (still blocked on peers ``comm.stuck_exit_s`` after that cut: the rank
+    exits with code 6 for its agent to replace it),
     ``spare_handed`` / ``spare_ready`` {handover_s, modules} (a prepared spare took the rank).
 ``spare_started`` {pid}, ``spare_prepared`` {pid, start_s, prepare_s, modules}, ``spare_lost``
 {pid, reason, exit_code}
@@ -97,12 +99,20 @@ exchange_wait_s, host_copy_bytes, digests, digest_s}
     ``times``: how often each suspect disagreed in the job.
 ``suspect_hardware`` {rank, gen, step, times}
     A rank's state disagreed ``times`` (>= 2) times: it exits (code 5) and is replaced.
-``memory_restore`` {rank, gen, step, lost, sources, rollback, reason, fallback?}
+``memory_restore`` {rank, gen, step, lost, sources, rollback, reason, verified, rejected, fallback?}
     Tier 4, per rank and recovery: the committed step restored (None: fell back to
-    the disk checkpoint ``fallback``), the lost ranks, the (source, destination)
-    transfers, the ranks that rolled back to their own copy, and why.
+    the disk checkpoint ``fallback``, or to the job's start when None too), the lost ranks, the
+    (source, destination) transfers, the ranks that rolled back to their own copy, and why;
+    ``verified``: every rank's state matched the fingerprint recorded for the step; ``rejected``:
+    what this restore rejected before (one line each).
 ``transfer_rejected`` {rank, gen, pairs}
     Tier 4: these (source, destination) transfers failed their checksum; re-planned.
+``restore_rejected`` {rank, gen, state, holder, step, problem, expected, got, reason}
+    Tier 4, by the rank whose restored state failed its verification (``rank``: its job rank):
+    what it held (``state``: ``live``, ``own`` copy, ``buddy`` copy held by ``holder``, ``replica``
+    ``holder``'s shard) did not match the fingerprint recorded for ``step`` (``problem``:
+    ``tensors``, ``loop``, both, or ``no fingerprint recorded``); never trained on: the restore
+    plans again without that source. ``expected`` / ``got``: ``<step> <gen> <tensors> <loop>``.
 ``rank_end`` {rank, pid, threads, tcp_sockets, tcp_states, process_groups}
     Tiers 3-4: a rank's process after training (leak checks).
 ``giveup`` {reason, exit_code}
@@ -147,6 +157,7 @@ EVENT_KINDS = (
     "suspect_hardware",
     "memory_restore",
     "transfer_rejected",
+    "restore_rejected",
     "rank_end",
     "spare_started",
     "spare_prepared",

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ckless_lightning.replication.fingerprint import gather_sums
+
 __all__ = ["StateDigest", "disagreeing", "replica_groups"]
 
 _WORD = 8
@@ -64,7 +66,7 @@ class StateDigest:
         start = time.perf_counter()
         part = self.part(step)
         sums = [s for s in (self._part_sum(t, part) for t in tensors) if s is not None]
-        total = torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
+        total = gather_sums(sums)  # one copy per device: a rank's state spans devices (Adam's step)
         digest = hashlib.blake2b(total.numpy().tobytes(), digest_size=8).hexdigest()
         self.seconds += time.perf_counter() - start
         self.count += 1

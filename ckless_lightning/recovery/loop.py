@@ -370,6 +370,8 @@ class InProcessRecovery:
             waiter=self._waiter,
             on_stuck=lambda: self._cut_stuck(gen),
             grace_s=self.generation.stuck_grace_s,
+            on_left_behind=lambda: self._exit_left_behind(gen),
+            exit_after_s=self.generation.stuck_exit_s,
         )
         self.watch.start()
 
@@ -386,6 +388,20 @@ class InProcessRecovery:
         )
         self._phase("stuck_cut", gen)
         fail_fast(keep_ports={self.store.port})
+
+    def _exit_left_behind(self, gen: int) -> None:
+        """From the watch's thread: cut, and still blocked on peers ``comm.stuck_exit_s`` later (a
+        wait in C++ no cut reaches): this process cannot rejoin; it ends, its agent replaces it."""
+        print(
+            f"rank {self.rank}: still blocked on peers in generation {gen} "
+            f"{self.generation.stuck_exit_s:g} s after its connections were cut (comm.stuck_exit_s): "
+            "exiting for the agent to replace it "
+            f"(exit code {ExitCode.LEFT_BEHIND})",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._phase("left_behind_exit", gen)
+        os._exit(ExitCode.LEFT_BEHIND)  # the main thread is blocked in C++: no unwinding reaches it
 
     def _callbacks(self, gen: int) -> list[pl.Callback]:
         """This generation's callbacks, in order; put them first in the Trainer's list (tier 4's

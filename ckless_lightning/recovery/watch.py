@@ -16,21 +16,36 @@ connections (``on_stuck``): its next or pending collective fails and the
 normal recovery path runs. It never acts while the rank is leaving or after it
 left. Its live state stays usable: what a survivor offers does not depend on
 where it was cut.
+
+A cut reaches connections that exist. A wait in C++ on a connection still being
+made does not end with it: gloo forming a group keeps reconnecting to a peer that
+left until the group's timeout (``comm.pg_timeout_s``, minutes; seen in a chaos
+soak: a rank killed while the others formed generation 0's group left the fourth
+blocked there, and the next generation's join barrier waiting for it). So after
+the cut the watch keeps an eye on where the main thread is
+(:func:`~ckless_lightning.recovery.where.where_is`): blocked on peers for
+``exit_after_s`` in a row (``comm.stuck_exit_s``), the rank is past saving in
+process and ``on_left_behind`` ends it, for its agent to replace like a dead rank
+(its state is covered like a dead rank's: a replica, a buddy's copy, the disk). A
+rank computing (a long step) is left to meet its next collective, which fails.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from ckless_lightning.comm import JobStore
+from ckless_lightning.recovery.where import where_is
 
 __all__ = ["GenerationWatch"]
 
 # A wait that long with no news re-reads the generation (a mover killed between moving the job and
 # waking the watches is the only way to miss a wake-up) and waits again.
 _RECHECK_S = 600.0
+_SAMPLE_S = 0.25  # after the cut: how often the watch looks where the main thread is
 
 
 class GenerationWatch:
@@ -40,6 +55,8 @@ class GenerationWatch:
     ``store``: this rank's job store client; ``waiter``: a second client the thread blocks in
     (:meth:`JobStore.another_client`, one per process, reused across generations: one watch at a
     time blocks in it, as a generation's watch is stopped before the next one starts).
+    ``on_left_behind`` (None: never): called from the thread once the main thread has been
+    blocked on peers for ``exit_after_s`` in a row after the cut (it ends the process).
     """
 
     def __init__(
@@ -52,6 +69,8 @@ class GenerationWatch:
         on_stuck: Callable[[], None],
         grace_s: float = 0.25,
         recheck_s: float = _RECHECK_S,
+        on_left_behind: Callable[[], None] | None = None,
+        exit_after_s: float = 10.0,
     ) -> None:
         self.store = store
         self.waiter = waiter
@@ -60,7 +79,10 @@ class GenerationWatch:
         self.on_stuck = on_stuck
         self.grace_s = grace_s
         self.recheck_s = recheck_s
+        self.on_left_behind = on_left_behind
+        self.exit_after_s = exit_after_s
         self.fired = False
+        self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"generation-watch-{generation}", daemon=True)
 
@@ -81,6 +103,24 @@ class GenerationWatch:
         except RuntimeError as err:  # the store is gone: the main thread finds out on its own
             print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
             return
-        if not self._stop.is_set() and not self._stop.wait(self.grace_s):
-            self.fired = True
-            self.on_stuck()
+        if self._stop.is_set() or self._stop.wait(self.grace_s):
+            return
+        self.fired = True
+        self.on_stuck()
+        if self.on_left_behind is not None and self._blocked_on_peers():
+            self.on_left_behind()
+
+    def _sample(self) -> str:
+        """Where the main thread is now (:func:`where_is`)."""
+        return where_is(sys._current_frames().get(self._main))  # type: ignore[arg-type]
+
+    def _blocked_on_peers(self) -> bool:
+        """After the cut: True once the main thread has waited on peers ``exit_after_s`` in a row,
+        False as soon as the rank starts leaving (``stop``)."""
+        since = time.monotonic()
+        while not self._stop.wait(_SAMPLE_S):
+            if self._sample() != "peers":
+                since = time.monotonic()
+            elif time.monotonic() - since >= self.exit_after_s:
+                return True
+        return False

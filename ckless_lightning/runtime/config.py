@@ -285,7 +285,10 @@ class CommConfig:
     the join barrier of tiers 3-4 (a rank that never comes, e.g. a lost node
     nobody replaces: the job gives up with exit 75 for the scheduler to requeue);
     ``stuck_grace_s`` (tiers 3-4) is how long a rank may stay in a generation the
-    job has left before its generation watch cuts its connections.
+    job has left before its generation watch cuts its connections; ``stuck_exit_s``
+    how long it may then stay blocked waiting on peers (a wait in C++ the cut does
+    not reach, such as gloo connecting to a peer that left) before it exits for its
+    agent to replace it.
     """
 
     rootless: bool = False
@@ -293,9 +296,10 @@ class CommConfig:
     init_timeout_s: float = 60.0
     join_timeout_s: float = 900.0
     stuck_grace_s: float = 0.25
+    stuck_exit_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for key in ("pg_timeout_s", "init_timeout_s", "join_timeout_s", "stuck_grace_s"):
+        for key in ("pg_timeout_s", "init_timeout_s", "join_timeout_s", "stuck_grace_s", "stuck_exit_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"comm.{key} must be a positive number of seconds, got {getattr(self, key)}")
 

@@ -67,6 +67,7 @@ class ExitCode(enum.IntEnum):
     DOES_NOT_FIT = 3  # launch.py: the recipe does not fit this machine (the message has the memory plan)
     PEER_FAILED = 4  # a rank: its collective failed because a peer went away (blame the peer)
     SUSPECT_STATE = 5  # a rank: its state disagreed with its replicas twice (suspect hardware): replace it
+    LEFT_BEHIND = 6  # a rank: still blocked on peers in a generation the job left, after its cut: replace it
     FAULT_BUDGET = 75  # launch.py: EX_TEMPFAIL, fault budget spent; the scheduler may requeue the job
 
 

@@ -296,6 +296,7 @@ def _generation(job: JobConfig, context: RankContext, store: JobStore) -> Genera
         init_timeout_s=job.comm.init_timeout_s,
         join_timeout_s=job.comm.join_timeout_s,
         stuck_grace_s=job.comm.stuck_grace_s,
+        stuck_exit_s=job.comm.stuck_exit_s,
     )
 
 
