@@ -45,6 +45,7 @@ or did not exit 0; such a run keeps its directory (path printed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -118,7 +119,7 @@ SHORT = ["data.seq_len=32", "data.max_source_bytes=2000000", "timeline=false"]
 def longest_stall(events: list[dict]) -> float:
     """The longest time between two consecutive records of the event log (0 with fewer than two)."""
     times = sorted(float(e["t"]) for e in events)
-    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def seed_rows(args: argparse.Namespace) -> int:
