@@ -39,13 +39,34 @@ def start_long_run(
     )
     losses = run_dir / "losses.jsonl"
     deadline = time.monotonic() + 120
-    while not (losses.exists() and losses.read_text().strip()):
-        assert proc.poll() is None, f"launch.py exited early with {proc.returncode}"
-        assert time.monotonic() < deadline, "training did not start within 120 s"
-        time.sleep(0.5)
-    ranks = psutil.Process(proc.pid).children(recursive=True)
-    assert len(ranks) >= 4
+    try:
+        while not (losses.exists() and losses.read_text().strip()):
+            assert proc.poll() is None, f"launch.py exited early with {proc.returncode}"
+            assert time.monotonic() < deadline, "training did not start within 120 s"
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if _cmdline(p) is not None]
+        assert len(ranks) >= 4
+    except BaseException:
+        proc.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
+        raise
     return proc, ranks
+
+
+def _cmdline(p: psutil.Process) -> str | None:
+    """``p``'s command line, None once it exited (the fork server's intermediate child of a fork, or a
+    spare being started, lives for milliseconds: it can be listed and gone a moment later)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _stop(proc: subprocess.Popen[bytes], procs: list[psutil.Process]) -> None:
+    """Kill the launcher and whatever of ``procs`` still runs (a failed assertion leaves nothing)."""
+    proc.kill()
+    for p in procs:
+        if p.is_running():
+            p.kill()
 
 
 def wait_for_spare(launcher: subprocess.Popen[bytes], timeout: float = 120) -> psutil.Process:
@@ -53,7 +74,7 @@ def wait_for_spare(launcher: subprocess.Popen[bytes], timeout: float = 120) -> p
     deadline = time.monotonic() + timeout
     while True:
         for child in psutil.Process(launcher.pid).children(recursive=True):
-            if "ckless_lightning.spare" in " ".join(child.cmdline()):
+            if "ckless_lightning.spare" in (_cmdline(child) or ""):
                 return child
         assert time.monotonic() < deadline, "no warm spare within the timeout"
         time.sleep(0.2)
@@ -70,16 +91,17 @@ def assert_all_gone(procs: list[psutil.Process], timeout: float = 30) -> None:
 def test_sigterm_stops_every_rank(tmp_path, data_cache):
     """Ranks and the batch-cache reader forked from the fork server stop with the launcher."""
     proc, ranks = start_long_run(tmp_path, data_cache)
-    commands = [" ".join(p.cmdline()) for p in ranks]
-    assert not any("ckless_lightning.data.cache_reader" in c for c in commands), commands  # forked
-    (started,) = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["kind"] == "reader_started"]
-    assert started["forked"] is True and started["pid"] in [p.pid for p in ranks], started
     try:
+        commands = [_cmdline(p) or "" for p in ranks]
+        assert not any("ckless_lightning.data.cache_reader" in c for c in commands), commands  # forked
+        events = read_events(tmp_path / "run" / "events.jsonl")
+        (started,) = [e for e in events if e["kind"] == "reader_started"]
+        assert started["forked"] is True and started["pid"] in [p.pid for p in ranks], started
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         assert_all_gone(ranks)
     finally:
-        proc.kill()
+        _stop(proc, ranks)
 
 
 @pytest.mark.timeout(240)
@@ -88,10 +110,10 @@ def test_killed_launcher_takes_its_ranks_along(tmp_path, data_cache):
     process of its own, the path the other jobs of the tests do not take) die with a SIGKILLed
     launcher."""
     proc, ranks = start_long_run(tmp_path, data_cache, "agent.fork_server=false")
-    commands = [" ".join(p.cmdline()) for p in ranks]
-    assert sum("ckless_lightning.rank" in c for c in commands) == 4, commands
-    assert sum("ckless_lightning.data.cache_reader" in c for c in commands) == 1, commands
     try:
+        commands = [_cmdline(p) or "" for p in ranks]
+        assert sum("ckless_lightning.rank" in c for c in commands) == 4, commands
+        assert sum("ckless_lightning.data.cache_reader" in c for c in commands) == 1, commands
         spare = wait_for_spare(proc)
         ranks.append(spare)
         assert "ckless_lightning.spare" in " ".join(spare.cmdline())
@@ -99,9 +121,7 @@ def test_killed_launcher_takes_its_ranks_along(tmp_path, data_cache):
         proc.wait(timeout=30)
         assert_all_gone(ranks)
     finally:
-        for p in ranks:
-            if p.is_running():
-                p.kill()
+        _stop(proc, ranks)
 
 
 def test_processes_the_agent_starts_turn_nccl_errors_into_exceptions(monkeypatch):

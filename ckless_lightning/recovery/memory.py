@@ -262,6 +262,7 @@ class MemoryRestore:
         return verdict, [v for v in verdicts if v is not None and not v.ok]
 
     def _record(self, step: int, verdict: Verdict) -> None:
+        """A restored rank's state, verified, recorded as its own for ``step`` (in this generation)."""
         assert verdict.got is not None
         fingerprint = replace(StateFingerprint.parse(verdict.got), gen=self.generation.number)
         self.generation.store.record_state(

@@ -158,7 +158,7 @@ def hsdp_sources(
 
     Rank ``r = i * shard + s`` is replica ``i``, shard ``s``; a rank missing
     from ``reports`` counts as lost. Survivors must all be at the same live
-    step ``T``; pairs in ``exclude`` (failed a checksum before) are not used.
+    step ``T``; pairs in ``exclude`` (rejected before: a checksum or a verification) are not used.
     Falls back (``step=None``) when survivors disagree, none survives, or a
     lost rank has no eligible peer.
     """
@@ -195,7 +195,7 @@ def hsdp_sources(
                 parts.append(f"no live copy of shard {s} ({_ranks(peers)} {both} lost)")
             else:
                 parts.append(
-                    f"no live copy of shard {s} for {_ranks(rs)} ({_ranks(failed)} failed a checksum before)"
+                    f"no live copy of shard {s} for {_ranks(rs)} ({_ranks(failed)} rejected as a source)"
                 )
         return _fallback(lost, "; ".join(parts))
     if not lost:
@@ -258,7 +258,7 @@ def buddy_sources(
     for r in untrusted:
         b = buddy_of(r)
         if Transfer(b, r) in exclude:
-            gone.append(f"the copy of rank {r} on its buddy rank {b} failed a checksum")
+            gone.append(f"the copy of rank {r} on its buddy rank {b} was rejected (checksum)")
         elif not from_buddy[r] and not reports[r].own_steps:
             if b not in reports or not reports[b].held:
                 gone.append(f"rank {r} and its buddy rank {b} both lost")
