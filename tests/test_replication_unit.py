@@ -86,7 +86,7 @@ def test_hsdp_exclude_picks_next_source_then_falls_back():
     assert plan.step == 7 and plan.transfers == (Transfer(4, 2),)
     plan = hsdp_sources(reports, replicate=3, shard=2, exclude=frozenset({Transfer(0, 2), Transfer(4, 2)}))
     assert plan.step is None
-    assert "shard 0" in plan.reason and "checksum" in plan.reason
+    assert "shard 0" in plan.reason and "rejected" in plan.reason
 
 
 # ---------------------------------------------------------------- planner: buddy
@@ -146,7 +146,7 @@ def test_buddy_exclude_falls_back():
     reports = {r: RankReport(r, 7, frozenset({7}), {(r - 1) % 4: frozenset({7})}) for r in range(4)}
     reports[1] = RankReport(1, None)
     plan = buddy_sources(reports, buddy_of=_buddy(), exclude=frozenset({Transfer(2, 1)}))
-    assert plan.step is None and "checksum" in plan.reason
+    assert plan.step is None and "rejected" in plan.reason
 
 
 def test_buddy_helpers():

@@ -18,17 +18,22 @@ __all__ = ["SampleLogCallback", "read_sample_log"]
 
 
 class SampleLogCallback(pl.Callback):
-    """After each training batch: append ``{"step", "micro", "sample_ids", "gen", "dp_size"}`` for this
+    """Before each training batch: append ``{"step", "micro", "sample_ids", "gen", "dp_size"}`` for this
     rank (``gen``: the job generation it trained in; an elastic job's step may be tried at one width
-    and committed at another, in a later generation)."""
+    and committed at another, in a later generation).
+
+    Before, not after: a rank killed between its step's commit and the end of the batch (its
+    last micro-batch's ``on_train_batch_end`` runs after the optimizer step) must not leave a
+    committed step without its samples; a step tried and not committed is tried again, by a
+    later generation, whose records win."""
 
     def __init__(self, out_dir: str | Path, generation: int = 0) -> None:
         self.out_dir = Path(out_dir)
         self.generation = generation
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         accumulate = trainer.accumulate_grad_batches
         record = {
