@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -398,8 +399,11 @@ class InProcessRecovery:
             "exiting for the agent to replace it "
             f"(exit code {ExitCode.LEFT_BEHIND})",
             file=sys.stderr,
-            flush=True,
         )
+        main = sys._current_frames().get(threading.main_thread().ident)
+        if main is not None:  # where it is blocked, for whoever reads the rank's log
+            traceback.print_stack(main, file=sys.stderr)
+        sys.stderr.flush()
         self._phase("left_behind_exit", gen)
         os._exit(ExitCode.LEFT_BEHIND)  # the main thread is blocked in C++: no unwinding reaches it
 
