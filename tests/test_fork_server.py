@@ -89,9 +89,26 @@ def test_forked_rank_is_the_agents_child_and_a_stopped_server_is_replaced(server
     time.sleep(0.2)
     server.tend()
     assert server.pid not in (None, second)
-    assert [e["reason"] for e in _events(events) if e["kind"] == "forkserver_lost"][1].startswith("exited")
+    assert [e["reason"] for e in _events(events) if e["kind"] == "forkserver_lost"][1] == "killed by SIGKILL"
     server.close()
     assert server.fork(launcher_env(), ["--config", str(missing)]) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_server_killed_while_it_prepares_is_recorded_as_killed_not_as_a_timeout(server, tmp_path):
+    """Its reason is the observed one (it was: 'not ready within 120 s', 4.8 s into a job)."""
+    server, _pids, config = server
+    events = tmp_path / "events.jsonl"
+    server.start()
+    server.prepare(config, EventLog(events, source="agent0"))
+    time.sleep(0.5)  # importing torch: seconds from ready
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    started = time.monotonic()
+    assert server.fork(launcher_env(), ["--config", str(tmp_path / "none.yaml")]) is None
+    assert time.monotonic() - started < 10
+    (lost,) = [e for e in _events(events) if e["kind"] == "forkserver_lost"]
+    assert lost["reason"] == "killed by SIGKILL"
 
 
 def _exited(pid: int) -> bool:

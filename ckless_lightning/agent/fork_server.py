@@ -26,6 +26,7 @@ from typing import IO, Any
 
 from ckless_lightning.agent.process_state import is_stopped, signal_session
 from ckless_lightning.record.events import EventLog
+from ckless_lightning.record.faults import how_it_ended
 from ckless_lightning.runtime.contract import launcher_env
 
 __all__ = ["MAX_BACKOFF_S", "READY_WAIT_S", "REPLY_WAIT_S", "ForkServer", "ForkedProcess"]
@@ -34,6 +35,7 @@ READY_WAIT_S = 120.0  # longest wait for the server's imports at a rank start; t
 REPLY_WAIT_S = 10.0  # longest wait for a fork's answer (a fork takes milliseconds)
 MAX_BACKOFF_S = 60.0  # longest pause before replacing a server lost several times in a row
 _MAX_MESSAGE = 1 << 16
+_EXIT_REAP_S = 2.0  # a server that closed its socket is exiting: how long to wait to learn how
 _PR_SET_CHILD_SUBREAPER = 36
 _GONE = 1  # the exit code given a forked rank that is not this process's child (its status is lost)
 
@@ -106,6 +108,7 @@ class ForkServer:
         self._started_at = 0.0  # time.time() the running server was started
         self._sock: socket.socket | None = None
         self._ready = False
+        self._closed = False  # the server closed its socket (it is exiting)
         self._gave_up = False  # the server could not prepare: every rank starts cold from now on
         self._subreaper = False
         self._wanted = False  # start() was called: tend() keeps a server running
@@ -258,6 +261,7 @@ class ForkServer:
         self._sock = ours
         self._ready = False
         self._started_at = time.time()
+        self._closed = False
         if self.config_path is not None:
             self._emit("forkserver_started", pid=self._proc.pid)
             self._send_prepare()
@@ -280,7 +284,8 @@ class ForkServer:
             return False  # not told the config yet: nothing to fork for
         said = self._receive(wait_s)
         if said is None:
-            self._lose(self._why(f"not ready within {wait_s:.0f} s"))
+            waited = time.time() - self._started_at
+            self._lose(self._why(f"not ready within {wait_s:.0f} s ({waited:.1f} s since its start)"))
             return False
         if "ready" not in said:
             self._lose(f"could not prepare: {said.get('failed')}")
@@ -308,15 +313,24 @@ class ForkServer:
                 return None
             readable, _, _ = select.select([self._sock], [], [], min(left, 0.2))
             if readable:
-                data = self._sock.recv(_MAX_MESSAGE)
+                try:
+                    data = self._sock.recv(_MAX_MESSAGE)
+                except ConnectionResetError:  # it died with our message unread: the kernel reset it
+                    data = b""
+                self._closed = not data
                 return json.loads(data) if data else None
 
     def _why(self, otherwise: str) -> str:
-        """Why the server did not answer: it exited, it is stopped, or ``otherwise``."""
+        """Why the server did not answer, as observed: how it ended (it closed its socket: give its
+        exit a moment to be reaped), stopped, or ``otherwise`` (its bound passed)."""
         assert self._proc is not None
-        if self._proc.poll() is not None:
-            return f"exited with code {self._proc.returncode}"
-        return "stopped" if is_stopped(self._proc.pid) else otherwise
+        if is_stopped(self._proc.pid):
+            return "stopped"
+        try:
+            code = self._proc.wait(timeout=_EXIT_REAP_S if self._closed else 0)
+        except subprocess.TimeoutExpired:
+            return otherwise
+        return how_it_ended(code)
 
     def _lose(self, reason: str) -> None:
         proc = self._proc
