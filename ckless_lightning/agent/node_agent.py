@@ -184,6 +184,8 @@ class NodeAgent:
             code = self._store_lost(host, port, err)
         except KeyboardInterrupt as interrupt:
             signum = int(interrupt.args[0]) if interrupt.args else int(signal.SIGINT)
+            # Before the ranks stop: what they do from now on (peers vanish) is the job ending, not a fault.
+            self.events.emit("interrupted", node=self.node, signal=signal.Signals(signum).name)
             self.stop_ranks(graceful=True)
             print(
                 f"interrupted: stopped all {len(self.local_ranks)} ranks of node {self.node}", file=sys.stderr

@@ -33,6 +33,7 @@ from ckless_lightning.agent.budget import RestartBudget
 from ckless_lightning.agent.processes import RankProcess, is_stopped
 from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.record.events import EventLog
+from ckless_lightning.record.faults import how_it_ended
 from ckless_lightning.runtime.config import AgentConfig, JobConfig
 from ckless_lightning.runtime.contract import ExitCode
 
@@ -73,7 +74,7 @@ def silence_limit(beat: Heartbeat, cfg: AgentConfig) -> float:
 
 
 def _how(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return how_it_ended(code)
 
 
 @dataclass(frozen=True)
@@ -315,6 +316,7 @@ class ReplaceFailed(Policy):
             return Decision(Action.GIVE_UP, gen)
         if obs.current > gen:
             if self.budget.spent_by(obs.current):
+                self._report_failed(self._failed())  # what it saw, before it gives up
                 return Decision(Action.GIVE_UP, gen)
             gen = obs.current
         if obs.failed:
@@ -371,11 +373,7 @@ class ReplaceFailed(Policy):
         no new generation for it. Otherwise the job moves on once, here.
         """
         agent = self.agent
-        failed = {
-            rank: code
-            for rank, proc in agent.ranks.items()
-            if (code := proc.poll()) not in (None, 0) and rank not in agent.finished
-        }
+        failed = self._failed()
         if self.store.ranks_finished() > 0:
             # A peer passed its last collective (the final save included), so every rank did: a
             # rank lost now was ending. Replacing it would wait in a join barrier nobody else enters.
@@ -391,26 +389,20 @@ class ReplaceFailed(Policy):
         self._restart_hang_clocks()
         current = max(gen, self.store.generation())
         member = {rank: self.store.member(rank) for rank in failed}
+        if current > gen and self.budget.spent_by(current):  # survivors moved the job on: it counts
+            self._report_failed(failed, member)
+            return None
         if any(member[rank] >= current for rank in failed):
             next_gen = self.budget.advance(current)
             if next_gen is None:
+                self._report_failed(failed, member)  # what it saw, before it gives up
                 return None
             current = next_gen
+        self._report_failed(failed, member)
         for rank in sorted(failed, key=lambda r: (_blame_class(failed[r]), r)):
-            code = failed[rank]
-            agent.events.emit(
-                "fault_detected",
-                by=f"agent{agent.node}",
-                rank=rank,
-                reason="exit",
-                exit_code=code,
-                signal=signal.Signals(-code).name if code < 0 else None,
-                failed_ranks=sorted(failed),
-                completed_step=self.store.rank_heartbeats([rank])[rank].completed_step,
-                gen=member[rank],  # the generation the dead process was in
-            )
+            how = _how(failed[rank])
             print(
-                f"[agent{agent.node}] rank {rank} {_how(code)}; replacing it in generation {current}. "
+                f"[agent{agent.node}] rank {rank} {how}; replacing it in generation {current}. "
                 f"{agent.ranks[rank].failure_report()}",
                 file=sys.stderr,
             )
@@ -418,6 +410,31 @@ class ReplaceFailed(Policy):
             agent.start_rank(rank, current)
             agent.emit_ranks_started(current, [rank])
         return current
+
+    def _failed(self) -> dict[int, int]:
+        """Local ranks whose process failed (exit code), but those that finished the job."""
+        return {
+            rank: code
+            for rank, proc in self.agent.ranks.items()
+            if (code := proc.poll()) not in (None, 0) and rank not in self.agent.finished
+        }
+
+    def _report_failed(self, failed: dict[int, int], member: dict[int, int] | None = None) -> None:
+        """``fault_detected`` for each failed rank, in order of blame: how its process ended."""
+        for rank in sorted(failed, key=lambda r: (_blame_class(failed[r]), r)):
+            code = failed[rank]
+            self.agent.events.emit(
+                "fault_detected",
+                by=f"agent{self.agent.node}",
+                rank=rank,
+                reason="exit",
+                exit_code=code,
+                signal=signal.Signals(-code).name if code < 0 else None,
+                failed_ranks=sorted(failed),
+                completed_step=self.store.rank_heartbeats([rank])[rank].completed_step,
+                # the generation the dead process was in
+                gen=member[rank] if member is not None else self.store.member(rank),
+            )
 
     def _restart_hang_clocks(self) -> None:
         """A recovery begins: give every live local rank a full ``hang_timeout`` from now.
