@@ -262,16 +262,20 @@ def _run_agent(
 
 
 def _report(job: Any, run_dir: Path, code: int) -> None:
+    from ckless_lightning.record.ending import what_next
     from ckless_lightning.record.events import read_events
     from ckless_lightning.record.loss_log import read_loss_records, read_losses
     from ckless_lightning.record.summary import summarize
+    from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
     losses = read_losses(run_dir / "losses.jsonl")
     events_path = run_dir / "events.jsonl"
     timeline: Path | None = None
+    summary = None
     print()
     if job.cluster.node_rank == 0 and events_path.exists():
-        print(summarize(read_events(events_path), read_loss_records(run_dir / "losses.jsonl")).format())
+        summary = summarize(read_events(events_path), read_loss_records(run_dir / "losses.jsonl"))
+        print(summary.format())
         print()
         timeline = _draw_timeline(run_dir) if job.timeline else None
     print("done" if code == 0 else f"failed (exit code {code})")
@@ -287,6 +291,10 @@ def _report(job: Any, run_dir: Path, code: int) -> None:
     print(f"metrics:      {_metrics_location(job)}")
     print(f"rank logs:    {run_dir / 'rank_logs'}/rank<N>.log")
     print(f"checkpoints:  {job.checkpoint.dir}")
+    if summary is not None:  # last: what the scheduler does now, and what the operator can change
+        latest = latest_checkpoint(job.checkpoint.dir)
+        for line in what_next(summary, None if latest is None else str(latest)):
+            print(line)
 
 
 def _metrics_location(job: Any) -> str:

@@ -169,6 +169,7 @@ SLOWEST_FILES = (
     "test_slurm.py",
     "test_state_digest.py",
     "test_elastic.py",
+    "test_outside_faults.py",
     "test_faults.py",
     "test_cli.py",
     "test_launcher_cleanup.py",

@@ -73,7 +73,7 @@ def test_report_against_itself_is_bitwise_equal(tmp_path, capsys):
     run = write_run(tmp_path / "run")
     assert report([str(run), "--against", str(run), "--require-equal"]) == 0
     out = capsys.readouterr().out
-    assert "sigkill@1" in out and "goodput" in out  # the summary table
+    assert "SIGKILL@1" in out and "sigkill/backward" in out and "goodput" in out  # the summary table
     assert f"timeline:     {run / 'timeline.png'}" in out
     assert "losses bitwise equal" in out and "all 10 steps" in out
     assert_picture(run / "timeline.png")
@@ -211,5 +211,5 @@ def test_report_finds_the_recovered_run_bitwise_equal_to_its_twin(faulted_and_tw
     out_png = tmp_path / "against.png"
     assert report([str(faulted), "--against", str(twin), "--out", str(out_png), "--require-equal"]) == 0
     out = capsys.readouterr().out
-    assert "kill@1" in out and "losses bitwise equal" in out and "all 8 steps" in out
+    assert "SIGKILL@1" in out and " kill/" in out and "losses bitwise equal" in out and "all 8 steps" in out
     assert_picture(out_png)

@@ -140,7 +140,7 @@ def test_tier0_table_text():
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("#"))
     row = lines[lines.index(header) + 1]
-    assert row.split() == ["1", "sigkill@1", "6", "backward", "agent0",
+    assert row.split() == ["1", "SIGKILL@1", "6", "sigkill/backward", "agent0",
                            "0.25", "1.00", "1.25", "3.50", "0.75", "2.25", "1.00", "9.25", "1"]  # fmt: skip
     assert "goodput          20.0%" in text
     assert "ML goodput       90.9% = steps kept / steps computed (1 lost)" in text
@@ -175,7 +175,8 @@ def test_hang_detected_without_injection():
     f = s.faults[0]
     assert (f.fault_type, f.rank, f.phase, f.injected_by) == ("hang", 2, None, None)
     assert f.fault_step == 8  # last completed step 7: the hang was in step 8
-    assert f.detected_by == "agent0" and f.detection_s == 0.0
+    assert f.detected_by == "agent0" and f.cause == "hang"
+    assert f.detection_s is None  # nobody injected it: when it began is not known
     assert f.stop_s == 2.0 and f.process_start_s == 1.0
     assert (f.imports_s, f.comm_init_s, f.state_load_s, f.data_ready_s) == (3.0, 1.0, 2.0, 1.0)
     assert f.total_s == 1061.0 - 1050.0
@@ -206,7 +207,7 @@ def test_gave_up():
     assert (s.exit_code, s.giveup_reason, s.generations) == (1, "fault budget spent (0 restarts)", 1)
     text = s.format()
     row = next(line for line in text.splitlines() if line.startswith("1 "))
-    assert row.split()[:7] == ["1", "exception@3", "3", "forward", "agent0", "0.50", "0.50"]
+    assert row.split()[:7] == ["1", "exit(1)@3", "3", "exception/forward", "agent0", "0.50", "0.50"]
     assert row.endswith("gave up: fault budget spent (0 restarts)")
     assert "exit status      1 (gave up: fault budget spent (0 restarts))" in text
 
@@ -234,8 +235,8 @@ def test_two_faults_warm_spare_then_in_process():
     events += [
         ev(1015.25, "fault_injected", "rank2", rank=2, step=7, phase="forward", fault_type="exception",
            injected_by="inside"),
-        ev(1015.25, "fault_detected", "rank0", by="rank0", rank=2, reason="exit", exit_code=None,
-           completed_step=6),
+        ev(1015.25, "rank_phase", "rank2", rank=2, gen=1, phase="recovery_start", own=True,
+           error="RuntimeError: injected", completed_step=6),
         ev(1015.5, "generation", gen=2, reason="rank 2 exception"),
     ]  # fmt: skip
     for r in range(4):
@@ -270,7 +271,7 @@ def test_two_faults_warm_spare_then_in_process():
         7,
         "inside",
     )
-    assert f2.detected_by == "rank0" and f2.detection_s == 0.0
+    assert f2.detected_by == "rank2" and f2.detection_s == 0.0 and f2.cause == "exception"
     assert None is f2.stop_s is f2.process_start_s is f2.imports_s
     assert (f2.comm_init_s, f2.state_load_s, f2.data_ready_s) == (0.25, 1.0, 0.25)
     assert f2.total_s == 2.75 and (f2.old_gen, f2.new_gen) == (1, 2)
@@ -283,7 +284,7 @@ def test_two_faults_warm_spare_then_in_process():
     assert s.ml_goodput == 8 / 9  # step 6 computed twice
     assert s.generations == 3
     rows = [line.split() for line in s.format().splitlines() if line[:2] in ("1 ", "2 ")]
-    assert rows[1] == ["2", "exception@2", "7", "forward", "rank0",
+    assert rows[1] == ["2", "exception@2", "7", "exception/forward", "rank2",
                        "0.00", "-", "-", "-", "0.25", "1.00", "0.25", "2.75", "1"]  # fmt: skip
 
 
@@ -326,7 +327,9 @@ def test_fault_during_recovery_is_superseded():
     f1, f2 = summarize(events).faults
     assert f1.total_s is None and f1.outcome == "superseded by fault 2"
     assert f1.process_start_s == 0.5  # from detection: no ranks_stopped
-    assert f2.fault_type == "exit" and f2.fault_step is None and f2.total_s == 1.0 and f2.steps_lost is None
+    assert (
+        f2.fault_type == "exit(1)" and f2.fault_step is None and f2.total_s == 1.0 and f2.steps_lost is None
+    )
 
 
 def test_no_faults_and_empty():
@@ -336,7 +339,7 @@ def test_no_faults_and_empty():
     assert "faults: none" in s.format()
     empty = summarize([])
     assert empty.wall_s is None and empty.exit_code is None and empty.generations == 0
-    assert "unknown (no job_end event)" in empty.format()
+    assert "unknown (no job_end event" in empty.format()
 
 
 # --- EventLog ----------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ line N of ``losses.jsonl``. The kinds and their fields:
     fetched), ``first_step_done`` (step = the first optimizer step this process
     completed). A phase a tier skips is not emitted. In-process recovery (tiers 3-4)
     adds, before ``comm_init_start``: ``recovery_start`` (gen = the failed generation;
-    ``error``: what this rank saw; ``completed_step``: the last step it had completed),
+    ``error``: what this rank saw; ``own``: it was this rank's own error, not a lost peer or a moved
+    generation; ``completed_step``: the last step it had completed),
     ``generation_left`` (its process group dropped),
     ``generation_joined`` (gen = the new generation: every rank is in it), and
     ``resume_chosen`` (``resumed_from``: the checkpoint, or "memory" at tier 4).
@@ -117,6 +118,9 @@ exchange_wait_s, host_copy_bytes, digests, digest_s}
     Tiers 3-4: a rank's process after training (leak checks).
 ``giveup`` {reason, exit_code}
     The agent stopped recovering (e.g. fault budget spent); the job exits with ``exit_code``.
+``interrupted`` {node, signal}
+    The agent of ``node`` got ``signal`` (SIGTERM: a scheduler's preemption or an operator; SIGINT)
+    and stops its ranks: what happens to the job after this is its end, not a fault.
 ``job_end`` {exit_code, final_step}
     The agent ends the job.
 
@@ -151,6 +155,7 @@ EVENT_KINDS = (
     "ranks_stopped",
     "generation",
     "giveup",
+    "interrupted",
     "job_end",
     "commit_votes",
     "state_disagreement",

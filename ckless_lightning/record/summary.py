@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckless_lightning.record.ending import ending
 from ckless_lightning.record.events import read_events, read_jsonl
+from ckless_lightning.record.faults import ObservedFault, observed_faults
 
 __all__ = ["FaultRecovery", "JobSummary", "summarize", "summarize_run"]
 
 _FAULT_KINDS = ("fault_injected", "fault_detected", "generation")
-# Injected faults that stop nothing: a held copy corrupted in memory is found only if a restore uses
-# it (``restore_rejected``), so it opens no recovery of its own.
-_SILENT_FAULTS = ("corrupt_copy",)
 
 
 @dataclass
@@ -48,12 +47,16 @@ class FaultRecovery:
     """
 
     index: int
-    t_fault: float
-    fault_type: str  # the injected fault_type, else the detection reason ("hang", ...)
+    t_fault: float  # the injection, else the first sign of the fault (observed, or its peers noticing)
+    fault_type: str  # the injected fault_type, else the observed cause
     rank: int | None
     fault_step: int | None  # injected step, else the detection's completed_step + 1 (the step in progress)
     phase: str | None
-    injected_by: str | None  # "inside" | "outside"; None for a fault that was only detected
+    injected_by: str | None  # "inside" | "outside" | "chaos"; None for a fault the product did not inject
+    cause: str = ""  # as observed: SIGKILL, exit 1, stopped, hang, node silent, exception, unseen, ...
+    what: str = "rank"  # rank, node, spare, forkserver, reader
+    key: int | None = None  # the rank, node or pid it hit
+    detail: str = ""  # the observation's own words (an exception's message, a hang's bound)
     detected_by: str | None = None
     detection_s: float | None = None
     stop_s: float | None = None
@@ -74,6 +77,14 @@ class FaultRecovery:
     @property
     def recovered(self) -> bool:
         return self.total_s is not None
+
+    @property
+    def name(self) -> str:
+        """``<cause>@<where>``: ``SIGKILL@1`` (rank 1), ``silent@node1``, ``stopped@spare``, ..."""
+        key = _opt(self.key)
+        places = {"rank": _opt(self.rank), "node": f"node{key}", "reader": f"reader{key}"}
+        where = places.get(self.what, self.what)
+        return f"{self.cause or self.fault_type}@{where}"
 
 
 @dataclass
@@ -138,8 +149,12 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
     gens = {e["gen"] for e in events if e["kind"] in gen_kinds and "gen" in e}
     summary.generations = len(gens) or (1 if starts else 0)
 
-    openers = _fault_openers(events)
-    summary.faults = [_recovery(events, i + 1, pos) for i, pos in enumerate(openers)]
+    summary.faults = [_recovery(events, i + 1, fault) for i, fault in enumerate(observed_faults(events))]
+    for fault in summary.faults:
+        # Two faults of one generation (two ranks lost at once): one recovery, counted once.
+        first = next(f for f in summary.faults if f.old_gen == fault.old_gen and f.what == fault.what)
+        if first is not fault and fault.new_gen is not None and fault.new_gen == first.new_gen:
+            _handled_by(fault, first)
     for prev, fault in itertools.pairwise(summary.faults):
         # Tiers 3-4: a fault while the job was still recovering from the one before (e.g. a rank
         # killed between leaving a generation and joining the next) is handled by that recovery.
@@ -152,7 +167,13 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
     for fault in summary.faults:
         if fault.total_s is None and fault.outcome == "recovered":
             later = fault.index < len(summary.faults)
-            fault.outcome = f"superseded by fault {fault.index + 1}" if later else "no completed step"
+            gave_up = [e for e in giveups if float(e["t"]) >= fault.t_fault]
+            if later:
+                fault.outcome = f"superseded by fault {fault.index + 1}"
+            elif gave_up:  # tiers 3-4: survivors moved the job on, then the agent gave up
+                fault.outcome = f"gave up: {gave_up[0].get('reason')}"
+            else:
+                fault.outcome = "no completed step"
 
     if losses:
         summary.steps_done = max(int(r["step"]) for r in losses)
@@ -160,8 +181,8 @@ def summarize(events: list[dict[str, Any]], losses: list[dict[str, Any]] | None 
         summary.steps_done = int(ends[-1]["final_step"])
     fault_times = [e["t"] for e in events if e["kind"] in _FAULT_KINDS]
     summary.step_time_s = _median_step_time(losses or [], fault_times)
-    first_steps = [e["t"] for e in _phases(events, 0) if e["phase"] == "first_step_done"]
-    if starts and first_steps:
+    first_steps = [e["t"] for e in events if e["kind"] == "rank_phase" and e["phase"] == "first_step_done"]
+    if starts and first_steps:  # the job's first step, in whichever generation a start-up fault left
         summary.startup_s = min(first_steps) - starts[0]["t"]
     if None not in (summary.steps_done, summary.step_time_s) and summary.wall_s:
         # Start-up and recoveries are not productive time (the usual definition of goodput).
@@ -207,32 +228,21 @@ def _phases(events: list[dict[str, Any]], gen: int) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == "rank_phase" and e.get("gen") == gen]
 
 
-def _fault_openers(events: list[dict[str, Any]]) -> list[int]:
-    """Positions in ``events`` (sorted by time) of the event that opens each fault; see :func:`summarize`."""
-    openers: list[int] = []
-    open_since_generation = False
-    latest_gen = 0
-    for pos, event in enumerate(events):
-        if event["kind"] == "generation":
-            open_since_generation = False
-            latest_gen = max(latest_gen, int(event["gen"]))
-        elif (event["kind"] == "fault_injected" and event.get("fault_type") not in _SILENT_FAULTS) or (
-            event["kind"] == "fault_detected"
-            and not open_since_generation
-            # tiers 3-4: a rank may move the job on before the agent reports the dead process
-            and int(event.get("gen", latest_gen)) >= latest_gen
-        ):
-            openers.append(pos)
-            open_since_generation = True
-    return openers
+def _handled_by(fault: FaultRecovery, first: FaultRecovery) -> None:
+    """``fault`` hit while ``first``'s generation was failing; ``first``'s recovery handled both."""
+    fault.outcome = f"handled in the recovery of fault {first.index}"
+    fault.new_gen = None
+    for attr in ("stop_s", "process_start_s", "imports_s", "comm_init_s", "state_load_s", "data_ready_s"):
+        setattr(fault, attr, None)
+    fault.total_s = fault.resumed_from_step = fault.steps_lost = None
 
 
-def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecovery:
-    """The row of the fault opened by ``events[pos]``; "before" and "after" are by position in time order."""
-    opener = events[pos]
-    t_f = float(opener["t"])
-    injected = opener["kind"] == "fault_injected"
-    after = events[pos + 1 :]
+def _recovery(events: list[dict[str, Any]], index: int, observed: ObservedFault) -> FaultRecovery:
+    """The row of ``observed``; "before" and "after" are by position in time order."""
+    t_f = observed.t
+    pos = next((i for i, e in enumerate(events) if float(e["t"]) >= t_f), len(events))
+    injected = observed.injected
+    after = events[pos:]
     new_gen_pos = next((i for i, e in enumerate(after) if e["kind"] == "generation"), None)
     new_gen_event = None if new_gen_pos is None else after[new_gen_pos]
     old_gens = [e["gen"] for e in events[:pos] if e["kind"] == "generation"]
@@ -244,32 +254,42 @@ def _recovery(events: list[dict[str, Any]], index: int, pos: int) -> FaultRecove
         for e in until_new_gen
         if e["kind"] == "fault_detected" or (e["kind"] == "rank_phase" and e["phase"] == "recovery_start")
     ]
-    if injected and not detections and new_gen_pos is not None:
-        # Tiers 3-4: the agent saw the exit first, moved the job on, then reported it (its
-        # ``fault_detected`` names the dead process's generation, the one the fault hit).
-        old_gen = old_gens[-1] if old_gens else 0
-        detections = [
-            e for e in after[new_gen_pos:] if e["kind"] == "fault_detected" and e.get("gen") == old_gen
-        ][:1]
-    detection = opener if not injected else (detections[0] if detections else None)
+    # Whoever noticed first: the observation of it (the agent's may come after the generation it
+    # led to: tiers 3-4), or a peer leaving the generation before that.
+    seen = [e for e in (observed.detection, *detections[:1]) if e is not None]
+    detection = min(seen, key=lambda e: float(e["t"])) if seen else None
     completed = detection.get("completed_step") if detection is not None else None
     if completed is not None and completed < 0:
         completed = None  # the heartbeat's "still starting up"
+    inj = injected or {}
     fault = FaultRecovery(
         index=index,
         t_fault=t_f,
-        fault_type=opener["fault_type"] if injected else str(opener.get("reason", "fault")),
-        rank=opener.get("rank"),
-        fault_step=opener.get("step") if injected else (None if completed is None else completed + 1),
-        phase=opener.get("phase") if injected else None,
-        injected_by=opener.get("injected_by") if injected else None,
-        old_gen=old_gens[-1] if old_gens else 0,
+        fault_type=inj.get("fault_type") or inj.get("signal") or observed.cause,
+        rank=observed.rank,
+        fault_step=inj.get("step")
+        if injected is not None
+        else (None if completed is None else completed + 1),
+        phase=inj.get("phase"),
+        injected_by=(inj.get("injected_by") or "chaos") if injected is not None else None,
+        cause=observed.cause,
+        what=observed.what,
+        key=observed.key,
+        detail=observed.detail,
+        old_gen=observed.gen if observed.gen is not None else (old_gens[-1] if old_gens else 0),
     )
+    if observed.outcome is not None:  # a process replaced, a rank lost after the end: no recovery
+        fault.outcome = observed.outcome
+        if observed.detection is not None:
+            fault.detected_by = observed.detection.get("by") or observed.detection.get("source")
+            fault.detection_s = float(observed.detection["t"]) - t_f if injected is not None else None
+        return fault
     t_detect = None
     if detection is not None:
         t_detect = float(detection["t"])
         fault.detected_by = detection.get("by") or f"rank{detection.get('rank')}"
-        fault.detection_s = t_detect - t_f
+        # A fault nobody injected has no known moment: its times count from its first sign.
+        fault.detection_s = t_detect - t_f if injected is not None else None
     # Ranks stopped (tiers 0-2), or left the generation in-process (tiers 3-4).
     stops = [
         e["t"]
@@ -384,10 +404,12 @@ _TIME_COLUMNS = (
     ("total", "total_s"),
 )
 _LEGEND = (
-    "seconds; '-': a phase this tier skips. detect: fault -> detected. stop: -> old ranks stopped.",
-    "spawn: -> last new process started. import, comm, load: the slowest rank's imports, communicator",
-    "init, state load. data: state loaded -> first batch. total: fault -> first completed step after it.",
-    "lost: steps completed anywhere before the fault that were computed again (a rollback included).",
+    "fault: the cause as observed @ the rank or process it hit. injected: what the product injected",
+    "(type/phase), '-' for a fault from outside. seconds; '-': a phase this tier skips. detect: fault ->",
+    "detected ('-' for a fault from outside: its moment is unknown, its times count from its first",
+    "sign). stop: -> old ranks stopped. spawn: -> last new process started. import, comm, load: the",
+    "slowest rank's imports, communicator init, state load. data: state loaded -> first batch. total:",
+    "fault -> first completed step after it. lost: steps completed before the fault computed again.",
 )
 
 
@@ -399,17 +421,23 @@ def _opt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _injected_cell(f: FaultRecovery) -> str:
+    if f.injected_by is None:
+        return "-"
+    return f.fault_type if f.phase is None else f"{f.fault_type}/{f.phase}"
+
+
 def _fault_table(faults: list[FaultRecovery]) -> list[str]:
     if not faults:
         return ["faults: none"]
-    header = ["#", "fault", "step", "phase", "by", *(name for name, _ in _TIME_COLUMNS), "lost"]
+    header = ["#", "fault", "step", "injected", "by", *(name for name, _ in _TIME_COLUMNS), "lost"]
     rows: list[list[str]] = []
     for f in faults:
         cells = [
             str(f.index),
-            f.fault_type if f.rank is None else f"{f.fault_type}@{f.rank}",
+            f.name,
             _opt(f.fault_step),
-            _opt(f.phase),
+            _injected_cell(f),
             _opt(f.detected_by),
             *(_secs(getattr(f, attr)) for _, attr in _TIME_COLUMNS),
             _opt(f.steps_lost),
@@ -445,24 +473,32 @@ def _percent(value: float | None) -> str:
 def _footer(s: JobSummary) -> list[str]:
     steps = _opt(s.steps_done)
     recovering = [f.total_s for f in s.faults if f.total_s is not None]
-    if s.exit_code is None:
-        status = "unknown (no job_end event)"
-    else:
-        status = str(s.exit_code) + ("" if s.giveup_reason is None else f" (gave up: {s.giveup_reason})")
     return [
         "",
         f"tier {_opt(s.tier)}, world size {_opt(s.world_size)}",
         f"wall time        {_secs(s.wall_s)} s",
         f"steps done       {steps}",
         f"median step      {_secs(s.step_time_s)} s (consecutive steps with no fault between)",
-        f"startup          {_secs(s.startup_s)} s (job start -> first step of generation 0)",
+        f"startup          {_secs(s.startup_s)} s (job start -> the job's first completed step)",
+        *_fault_count_lines(s),
         f"recoveries       {len(recovering)}, {_secs(sum(recovering))} s (fault -> first step after it)",
         f"goodput          {_percent(s.goodput)} = steps done x median step / wall time",
         f"ML goodput       {_percent(s.ml_goodput)} = steps kept / steps computed ({s.steps_lost} lost)",
         f"generations      {s.generations}",
         *_width_lines(s),
         *_verification_lines(s),
-        f"exit status      {status}",
+        f"exit status      {ending(s)}",
+    ]
+
+
+def _fault_count_lines(s: JobSummary) -> list[str]:
+    if not s.faults:
+        return []
+    injected = sum(f.injected_by is not None for f in s.faults)
+    ranks = sum(f.what in ("rank", "node") for f in s.faults)
+    return [
+        f"faults           {len(s.faults)}: {len(s.faults) - injected} from outside, {injected} injected; "
+        f"{ranks} of ranks or nodes, {len(s.faults) - ranks} of other processes"
     ]
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckless_lightning.record.events import read_events
+from ckless_lightning.record.faults import observed_faults
 from ckless_lightning.record.loss_compare import LossComparison, compare_losses
 from ckless_lightning.record.loss_log import read_loss_records, read_losses
 from ckless_lightning.record.summary import FaultRecovery, JobSummary, summarize
@@ -64,6 +65,7 @@ _AFTER_PHASE = {
 # marker kind -> (marker, colour, size, legend label)
 _MARKERS = {
     "injected": ("X", "#d00000", 9, "fault injected"),
+    "outside": ("X", "#7b2cbf", 9, "fault from outside (its first sign)"),
     "process_fault": ("X", "#ff8800", 8, "fault on a spare / reader"),
     "detected": ("v", "black", 7, "fault detected (by this lane)"),
     "restarted": ("o", "#1d3557", 5, "reader restarted"),
@@ -208,6 +210,18 @@ def _lanes(events: list[dict[str, Any]], t_end: float) -> tuple[list[str], list[
             marks.append((lane if lane in names else f"rank {e.get('rank')}", t, "detected"))
         elif e["kind"] == "giveup" and e.get("source") in agents:
             marks.append((e["source"], t, "giveup"))
+    fork_lane = next((n for n in names if n.startswith("fork server")), None)
+    for fault in observed_faults(events):  # every fault the product did not inject, as observed
+        if fault.injected is not None:
+            continue
+        if fault.what == "rank":
+            lane = f"rank {fault.key}" if fault.key is not None else None
+        elif fault.what == "node":
+            lane = next((n for n in agents if n == f"agent{fault.key}"), None)
+        else:
+            lane = {"spare": first_spare_lane, "reader": reader_lane, "forkserver": fork_lane}[fault.what]
+        if lane is not None:
+            marks.append((lane, fault.t, "outside"))
     return names, bars, [m for m in marks if m[0] in names]
 
 
@@ -231,7 +245,8 @@ def _title(run_dir: Path, s: JobSummary) -> str:
 
 def _fault_name(f: FaultRecovery) -> str:
     step = "" if f.fault_step is None else f" step {f.fault_step}"
-    return f"#{f.index} {f.fault_type if f.rank is None else f'{f.fault_type}@{f.rank}'}{step}"
+    injected = "" if f.injected_by is None else f" ({f.fault_type}, injected)"
+    return f"#{f.index} {f.name}{injected}{step}"
 
 
 def _step_ticks(final_t: dict[int, float], t0: float) -> tuple[list[float], list[str]]:

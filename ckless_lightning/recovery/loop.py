@@ -431,15 +431,20 @@ class InProcessRecovery:
         """Drop the process group and move past the current generation (a fault, also in recovery)."""
         old = self.session.generation
         completed = self.session.completed_step
+        own = not (is_peer_failure(err) or isinstance(err, GenerationChanged))
         self._phase(
-            "recovery_start", old, error=f"{type(err).__name__}: {str(err)[:200]}", completed_step=completed
+            "recovery_start",
+            old,
+            error=f"{type(err).__name__}: {str(err)[:200]}",
+            own=own,
+            completed_step=completed,
         )
         print(
             f"rank {self.rank}: leaving generation {old} after step {completed} "
             f"({type(err).__name__}: {str(err)[:200]})",
             file=sys.stderr,
         )
-        if not (is_peer_failure(err) or isinstance(err, GenerationChanged)):
+        if own:
             # Its own error: where it was raised. A lost peer or a moved generation says all in the
             # line above; its traceback (a collective's internals) was noise on every recovery.
             traceback.print_exception(err, file=sys.stderr)
