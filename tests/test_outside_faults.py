@@ -113,9 +113,9 @@ def test_outside_kill_and_stop_are_rows_recoveries_and_marks(outside, reference_
     reference = reference_run(*TINY_REFERENCE)
     job = outside(*TINY_REFERENCE, *TIER4)
     job.wait_for_step(3)
-    killed = job.signal_rank(1, signal.SIGKILL)
+    job.signal_rank(1, signal.SIGKILL)
     job.wait_for_step(7)
-    stopped = job.signal_rank(3, signal.SIGSTOP)
+    job.signal_rank(3, signal.SIGSTOP)
     out = job.finish()
     assert job.proc.returncode == 0, out[-3000:]
     assert read_losses(job.run / "losses.jsonl") == read_losses(reference / "losses.jsonl")  # bitwise
@@ -140,7 +140,6 @@ def test_outside_kill_and_stop_are_rows_recoveries_and_marks(outside, reference_
     events.sort(key=lambda e: e["t"])
     _, _, marks = _lanes(events, events[-1]["t"])
     assert {lane for lane, _, kind in marks if kind == "outside"} == {"rank 1", "rank 3"}
-    assert killed != stopped
 
 
 @pytest.mark.timeout(600)

@@ -433,3 +433,36 @@ def test_a_step_rolled_back_by_every_rank_counts_as_lost():
     (fault,) = summarize(events).faults
     assert (fault.fault_step, fault.completed_before, fault.resumed_from_step) == (5, 5, 4)
     assert fault.steps_lost == 1
+
+
+def test_faults_from_outside_are_rows_and_the_ending_is_not_a_fault():
+    """Tier 4, nothing injected: rank 1 SIGKILLed (its peers notice first, the agent reports it after
+    the job moved on), the fork server SIGKILLed (replaced, no recovery); then SIGTERM: the ranks'
+    generation move after ``interrupted`` is the job's end, not a fault."""
+    events = gen0()
+    events += [
+        ev(1012.0, "rank_phase", "rank0", rank=0, gen=0, phase="recovery_start", own=False,
+           error="RuntimeError: Connection closed by peer", completed_step=4),
+        ev(1012.05, "generation", "rank0", gen=1, reason="fault"),
+        ev(1012.3, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, completed_step=4,
+           gen=0),
+        ev(1013.0, "forkserver_lost", pid=77, reason="killed by SIGKILL", exit_code=-9),
+        ev(1020.0, "interrupted", node=0, signal="SIGTERM"),
+        ev(1020.1, "rank_phase", "rank2", rank=2, gen=1, phase="recovery_start", own=False,
+           error="RuntimeError: Connection closed by peer", completed_step=9),
+        ev(1020.2, "generation", "rank2", gen=2, reason="fault"),
+        ev(1021.0, "job_end", exit_code=143, final_step=9),
+    ]  # fmt: skip
+    for r in range(4):
+        times = {"comm_init_start": 1012.2, "comm_init_done": 1012.3, "state_load_start": 1012.3}
+        times |= {"state_load_done": 1012.5, "data_ready": 1012.6, "first_step_done": 1013.5}
+        events += phases(1, r, times, 4, 5)
+    s = summarize(events)
+    assert [f.name for f in s.faults] == ["SIGKILL@1", "SIGKILL@forkserver"], s.format()
+    kill, server = s.faults
+    assert kill.injected_by is None and kill.detection_s is None and kill.t_fault == 1012.0
+    assert kill.detected_by == "rank0" and kill.total_s == 1.5 and kill.fault_step == 5
+    assert not server.recovered and server.outcome.startswith("replaced")
+    text = s.format()
+    assert "recoveries       1, 1.50 s" in text and "faults           2: 2 from outside, 0 injected" in text
+    assert "exit status      143 (stopped by SIGTERM" in text

@@ -336,7 +336,8 @@ class ForkServer:
         proc = self._proc
         if proc is None:
             return
-        self._emit("forkserver_lost", pid=proc.pid, reason=reason)
+        # exit_code: its return code when it has ended (None: running or stopped; killed next)
+        self._emit("forkserver_lost", pid=proc.pid, reason=reason, exit_code=proc.poll())
         self._stop()
         self._losses += 1
         self._not_before = time.monotonic() + min(MAX_BACKOFF_S, 2.0 ** (self._losses - 1) - 1.0)

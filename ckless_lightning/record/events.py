@@ -16,10 +16,11 @@ line N of ``losses.jsonl``. The kinds and their fields:
     One per (re)start of a node's ranks; ``warm[i]``: ranks[i] went to a warm spare; ``forked[i]``:
     the fork server forked it (``agent.fork_server``; neither: a cold process).
 ``forkserver_started`` {pid}, ``forkserver_ready`` {pid, start_s, prepare_s, modules},
-``forkserver_lost`` {pid, reason}
+``forkserver_lost`` {pid, reason, exit_code}
     The agent started its fork server; the server imported and prepared the rank path
-    (``start_s`` after it started); it died, was stopped or did not answer within its bound
-    (killed; the ranks start cold until a new one, after a back-off, is ready).
+    (``start_s`` after it started); it died (``exit_code``: its return code, None while it ran),
+    was stopped or did not answer within its bound (killed; the ranks start cold until a new one,
+    after a back-off, is ready).
 ``rank_phase`` {rank, gen, phase, step: int | None}
     A rank reached a phase of (re)starting, in this order:
     ``process_start`` (t = the process spawn time, or for a warm spare the time it

@@ -167,11 +167,6 @@ def _process_cause(event: dict[str, Any]) -> str:
         return "stopped"
     if event.get("exit_code") is not None:
         return exit_cause(int(event["exit_code"]))
-    words = reason.split()
-    if reason.startswith("killed by"):  # ForkServer's reasons: how_it_ended's words
-        return words[2]
-    if reason.startswith("exited with code"):
-        return f"exit({words[3]})"
     return "lost"
 
 
