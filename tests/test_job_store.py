@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import pickle
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -97,6 +100,26 @@ def test_loop_state_reads_back_plain_data_only():
     assert torch.equal(
         decode_loop_state(encode_loop_state(with_tensor))["callbacks"]["metric"], torch.tensor([1.5, 2.0])
     )
+
+
+def test_loop_state_plain_data_travels_as_a_restricted_pickle_anything_else_through_torch_save():
+    """Plain data (every step's case) is a pickle read back by an unpickler that names only builtin
+    containers; a state with a tensor (or any other class) goes through torch.save; a pickle that
+    names anything else is refused, never run."""
+    plain = {"a": collections.OrderedDict(x=1), "s": {1, 2}, "t": (1.5, None, b"x"), "d": {"k": [True]}}
+    encoded = encode_loop_state(plain)
+    assert encoded.startswith(b"\x80") and decode_loop_state(encoded) == plain
+    assert encode_loop_state({"m": torch.tensor(1.0)}).startswith(b"PK")  # torch.save's zip
+    assert encode_loop_state({"e": signal.SIGTERM}).startswith(b"PK")  # an enum: a class to name
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with pytest.raises(UnsafeLoopState, match="refused"):
+        decode_loop_state(pickle.dumps({"loops": Payload()}))
+    with pytest.raises(UnsafeLoopState, match="refused"):
+        decode_loop_state(b"")
 
 
 SRUN_ENV = {
