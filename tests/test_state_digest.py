@@ -68,6 +68,20 @@ def test_every_flipped_bit_changes_exactly_one_part_of_the_digest() -> None:
         StateDigest(0)
 
 
+def test_the_digest_reads_the_state_it_is_given_in_place_and_after_it_moved() -> None:
+    """The digest keeps its views of the state across votes: an in-place change shows in the part
+    it falls in; state in new storage is read there (not the old views); release drops the views."""
+    digest = StateDigest(EVERY)
+    state = [torch.randn(123, 7), torch.randn(64, 8).to(torch.bfloat16), torch.zeros(())]
+    clean, original = digest.of(state, 0), state[0].clone()
+    state[0].view(-1)[0] += 1.0
+    assert digest.of(state, 0) != clean
+    moved = [original, *state[1:]]
+    assert digest.of(moved, 0) == clean
+    digest.release()
+    assert digest.of(state, 0) != clean
+
+
 def test_the_majority_of_a_shards_replicas_wins_and_a_tie_suspects_both() -> None:
     assert replica_groups(2, 2) == [[0, 2], [1, 3]]
     assert replica_groups(3, 1) == [[0, 1, 2]]

@@ -32,7 +32,13 @@ from ckless_lightning.replication import (
     Transfer,
     buddy_sources,
 )
-from ckless_lightning.replication.fingerprint import StateFingerprint, loop_fingerprint, tensors_fingerprint
+from ckless_lightning.replication import fingerprint as fingerprint_module
+from ckless_lightning.replication.fingerprint import (
+    StateFingerprint,
+    TensorSums,
+    loop_fingerprint,
+    tensors_fingerprint,
+)
 from ckless_lightning.replication.loop_state import encode_loop_state
 from ckless_lightning.replication.state import live_params, local_state_tensors, param_groups_of
 from ckless_lightning.training.callbacks.fault_injection import corrupt_held_loop
@@ -64,6 +70,30 @@ def test_verif_fingerprint_of_a_host_copy_equals_the_live_one():
     torch._foreach_copy_(buffer.views, tensors)
     assert buffer.fingerprint() == tensors_fingerprint(tensors)
     assert tensors_fingerprint([]) == FlatBuffer([]).fingerprint()
+
+
+def test_verif_fingerprint_host_sums_equal_the_device_ones(monkeypatch):
+    """The numpy sums over host views give what torch's sums where the tensors live give (the
+    path a GPU rank's shards take): the same fingerprint for every shape a state takes."""
+    tensors = _odd_tensors()
+    on_host = tensors_fingerprint(tensors)
+    monkeypatch.setattr(fingerprint_module, "host_bytes", lambda t: None)
+    assert tensors_fingerprint(tensors) == on_host
+
+
+def test_verif_fingerprint_sums_kept_across_steps_see_every_update_and_a_moved_tensor():
+    """TensorSums makes its views once: an in-place update (an optimizer step) shows in the next
+    fingerprint, and a tensor in new storage makes the views stale (``matches`` is False)."""
+    tensors = _odd_tensors()
+    sums = TensorSums(tensors)
+    before = sums.fingerprint()
+    assert sums.matches(tensors) and before == tensors_fingerprint(tensors)
+    tensors[-1].add_(1.0)
+    tensors[2].add_(1.0)  # a 0-dim step counter: summed in a stack of its group
+    assert sums.fingerprint() == tensors_fingerprint(tensors) != before
+    moved = [*tensors[:-1], tensors[-1].clone()]
+    assert not sums.matches(moved)
+    assert TensorSums(moved).fingerprint() == sums.fingerprint()
 
 
 @pytest.mark.parametrize("index", range(1, 10))

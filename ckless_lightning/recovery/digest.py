@@ -31,9 +31,10 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from ckless_lightning.replication.fingerprint import gather_sums
+from ckless_lightning.replication.fingerprint import gather_sums, host_bytes, storage_of
 
 __all__ = ["StateDigest", "disagreeing", "replica_groups"]
 
@@ -56,6 +57,8 @@ class StateDigest:
         self.every = every
         self.seconds = 0.0
         self.count = 0
+        self._views: list[list[np.ndarray | torch.Tensor]] | None = None  # per part, made once
+        self._storage: list[int] = []  # of the state the views read
 
     def part(self, step: int) -> int:
         """Which part of every tensor the vote of ``step`` covers."""
@@ -65,30 +68,56 @@ class StateDigest:
         """The digest of part :meth:`part` of ``tensors`` (hex; equal state gives an equal digest)."""
         start = time.perf_counter()
         part = self.part(step)
-        sums = [s for s in (self._part_sum(t, part) for t in tensors) if s is not None]
-        total = gather_sums(sums)  # one copy per device: a rank's state spans devices (Adam's step)
-        digest = hashlib.blake2b(total.numpy().tobytes(), digest_size=8).hexdigest()
+        if self._views is None or len(tensors) != len(self._storage) or storage_of(tensors) != self._storage:
+            self._views = [self._part_views(tensors, p) for p in range(self.every)]
+            self._storage = storage_of(tensors)
+        views = self._views[part]
+        sums = np.zeros(len(views), dtype=np.int64)
+        on_device: list[int] = []
+        for i, view in enumerate(views):
+            if isinstance(view, np.ndarray):
+                sums[i] = view.sum(dtype=np.int64)
+            else:
+                on_device.append(i)
+        if on_device:  # one copy per device: a rank's state spans devices (Adam's step)
+            with torch.no_grad():
+                sums[on_device] = gather_sums([views[i].sum(dtype=torch.int64) for i in on_device])
+        digest = hashlib.blake2b(sums.tobytes(), digest_size=8).hexdigest()
         self.seconds += time.perf_counter() - start
         self.count += 1
         return f"{part}:{digest}"
 
-    def _part_sum(self, t: torch.Tensor, part: int) -> torch.Tensor | None:
-        """The wrapping sum of part ``part`` of ``t``'s bytes (None: that part of ``t`` is empty).
+    def release(self) -> None:
+        """Drop the views of the last state digested (they keep its storage alive): call when the
+        rank leaves a generation."""
+        self._views, self._storage = None, []
 
-        Small tensors (under ``_WHOLE_BELOW`` bytes per part) are all in part 0: a vote's cost is
-        a few torch calls per tensor it touches, which dominates at small sizes. The rest are
-        split evenly, summed as 8-byte words where the storage allows it, else as bytes.
+    def _part_views(self, tensors: Sequence[torch.Tensor], part: int) -> list[np.ndarray | torch.Tensor]:
+        """What the vote of part ``part`` sums, one view per tensor that has bytes in that part.
+
+        Small tensors (under ``_WHOLE_BELOW`` bytes per part) are all in part 0, summed as bytes:
+        a vote's cost is a call per tensor it touches, which dominates at small sizes. The rest are
+        split evenly, summed as 8-byte words where the storage allows it, else as bytes. Host
+        tensors are read as numpy views (a call costs a microsecond, not several), others where
+        they live.
         """
-        flat = t.detach().reshape(-1)
-        nbytes = flat.numel() * flat.element_size()
-        if nbytes < self.every * _WHOLE_BELOW:
-            return flat.view(torch.uint8).sum(dtype=torch.int64) if part == 0 else None
-        if nbytes % _WORD == 0 and flat.data_ptr() % _WORD == 0:
-            words = flat.view(torch.int64)
-        else:
-            words = flat.view(torch.uint8)
-        n = words.numel()
-        return words[n * part // self.every : n * (part + 1) // self.every].sum(dtype=torch.int64)
+        views: list[np.ndarray | torch.Tensor] = []
+        for t in tensors:
+            flat = t.detach().reshape(-1)
+            nbytes = flat.numel() * flat.element_size()
+            as_bytes = host_bytes(flat)
+            if as_bytes is None:
+                as_bytes = flat.view(torch.uint8)
+            if nbytes < self.every * _WHOLE_BELOW:
+                if part == 0:
+                    views.append(as_bytes)
+                continue
+            words = as_bytes
+            if nbytes % _WORD == 0 and flat.data_ptr() % _WORD == 0:
+                words = as_bytes.view(np.int64 if isinstance(as_bytes, np.ndarray) else torch.int64)
+            n = words.shape[0]
+            views.append(words[n * part // self.every : n * (part + 1) // self.every])
+        return views
 
 
 def replica_groups(replicate: int, shard: int) -> list[list[int]]:

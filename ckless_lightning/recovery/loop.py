@@ -448,6 +448,8 @@ class InProcessRecovery:
             # Its own error: where it was raised. A lost peer or a moved generation says all in the
             # line above; its traceback (a collective's internals) was noise on every recovery.
             traceback.print_exception(err, file=sys.stderr)
+        if self.digest is not None:
+            self.digest.release()  # its views would keep this generation's state alive
         if dist.is_initialized():
             dist.destroy_process_group()
         self.session.leave()

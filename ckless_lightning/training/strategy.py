@@ -43,7 +43,7 @@ from typing_extensions import override
 from ckless_lightning.comm import Generation, init_generation_process_group
 from ckless_lightning.models import build_mesh, resolve_mesh
 from ckless_lightning.replication.adopt import allocate_buffers
-from ckless_lightning.replication.state import local_state_tensors, param_groups_of
+from ckless_lightning.replication.state import LiveStateListing, param_groups_of
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
 __all__ = ["MEMORY_CHECKPOINT", "CheckpointlessStrategy", "InMemoryState"]
@@ -125,6 +125,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._weights_from_checkpoint = weights_from_checkpoint
         self._checkpoint_loaded = False
         self._step_vote = step_vote
+        self._vote_state = LiveStateListing()  # what the vote's state digest reads, listed once
         self._on_leave = on_leave
         self._memory = memory
         self._light = False
@@ -262,11 +263,11 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         """
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         step_in_progress = (trainer.global_step + 1) if trainer is not None else 0
-        step_vote, module = self._step_vote, self.lightning_module
+        step_vote, module, listing = self._step_vote, self.lightning_module, self._vote_state
 
         def vote() -> None:
             if step_vote is not None and module is not None:
-                step_vote(step_in_progress, lambda: local_state_tensors(module, [optimizer]))
+                step_vote(step_in_progress, lambda: listing.tensors(module, [optimizer]))
 
         return super().optimizer_step(_CommitThenStep(optimizer, vote), closure, model, **kwargs)
 

@@ -32,8 +32,7 @@ from ckless_lightning.replication.fingerprint import StateFingerprint
 from ckless_lightning.replication.loop_state import encode_loop_state
 from ckless_lightning.replication.state import (
     LiveParam,
-    flat_tensors,
-    live_params,
+    LiveStateListing,
     params_are_optimized,
     rng_state,
 )
@@ -64,9 +63,7 @@ class SnapshotCallback(pl.Callback):
         self.record_cpu_s = 0.0  # the same, in this thread's CPU time (what it costs on busy cores)
         self.settle_s = 0.0  # waiting for the exchange before the next step
         self.records = 0
-        self._live: list[LiveParam] | None = None  # the live local state, listed once (see state_tensors)
-        self._tensors: list[torch.Tensor] = []  # the same, flat
-        self._tensors_key: tuple[int, ...] = ()
+        self._listing = LiveStateListing()  # the live local state, listed once (see state_tensors)
 
     @override
     def on_train_batch_start(
@@ -123,20 +120,12 @@ class SnapshotCallback(pl.Callback):
         self.records += 1
 
     def state_tensors(self, module: pl.LightningModule, optimizers: list[Optimizer]) -> list[torch.Tensor]:
-        """The local state tensors, listed again only when the parameters or optimizer state change.
-
-        Listing them goes through every DTensor's ``to_local`` (an autograd op each: milliseconds
-        per step for a few hundred tensors). The views stay valid across steps: FSDP2 keeps its
-        sharded storage and the optimizer updates its state in place.
-        """
-        key = self._key(module, optimizers)
-        if key != self._tensors_key:
+        """The local state tensors, listed again only when the parameters or optimizer state change
+        (:class:`~ckless_lightning.replication.state.LiveStateListing`)."""
+        if self._listing.current(module, optimizers) is None:
             # After an optimizer step FSDP2 has resharded every block: what is registered is stepped.
             assert params_are_optimized(module, optimizers), "registered parameters are not the stepped ones"
-            self._live = live_params(module, optimizers)
-            self._tensors = flat_tensors(self._live)
-            self._tensors_key = key
-        return self._tensors
+        return self._listing.tensors(module, optimizers)
 
     def live_params(self, module: pl.LightningModule, optimizers: list[Optimizer]) -> list[LiveParam] | None:
         """The live state as listed after the last snapshot, if it is still the state of ``module``
@@ -146,10 +135,4 @@ class SnapshotCallback(pl.Callback):
         can leave a block's unsharded parameters registered, while the sharded ones (these, the
         optimizer's) are untouched until the next optimizer step.
         """
-        if self._live is None or self._key(module, optimizers) != self._tensors_key:
-            return None
-        return self._live
-
-    @staticmethod
-    def _key(module: pl.LightningModule, optimizers: list[Optimizer]) -> tuple[int, ...]:
-        return (id(module), *(len(o.state) for o in optimizers), *(id(o) for o in optimizers))
+        return self._listing.current(module, optimizers)
