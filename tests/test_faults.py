@@ -50,6 +50,7 @@ SHAPE = {"world_size": 8, "nnodes": 2, "nproc_per_node": 4, "max_steps": 100}
         ({"injected_by": "agent"}, r"fault\.injected_by must be one of inside \| outside"),
         ({"type": "exception", "injected_by": "outside"}, r"exception cannot be injected from outside"),
         ({"type": "stall", "injected_by": "outside"}, r"stall cannot be injected from outside"),
+        ({"type": "device_error", "injected_by": "outside"}, r"device_error cannot be injected from outside"),
         ({"type": "random", "injected_by": "outside"}, r"fault\.types contains exception.*outside"),
         ({"step": 0}, r"fault\.step .* must be >= 1"),
         ({"mtbf_steps": 0}, r"fault\.mtbf_steps must be > 0"),

@@ -46,6 +46,7 @@ FLOORS = {
     f"{PACKAGE}.recovery.commit": 2,
     f"{PACKAGE}.recovery.digest": 2,
     f"{PACKAGE}.recovery.sever": 2,
+    f"{PACKAGE}.recovery.device_fault": 2,
     f"{PACKAGE}.recovery.elastic": 2,
     f"{PACKAGE}.models": 1,
     f"{PACKAGE}.replication": 1,

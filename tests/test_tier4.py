@@ -242,6 +242,27 @@ def test_verified_restore_rejects_a_corrupted_held_copy(tmp_path, data_cache, re
 
 
 @pytest.mark.timeout(600)
+def test_accelerator_error_ends_the_rank_and_a_replacement_restores_bitwise(tmp_path, data_cache, references):
+    """Rank 1's own accelerator fails in the backward of step 5 (``torch.AcceleratorError``, as CUDA
+    raises on an illegal address or an ECC error): its CUDA context would be unusable, so it does
+    not recover in-process like a rank that lost a peer. It ends with exit code 7; its agent starts
+    a replacement, which restores from its buddy; the survivors keep their processes; bitwise equal
+    to the fault-free run."""
+    plan = [("device_error", 1, 5, "backward")]
+    run = run_plan(tmp_path, data_cache, "llama3_tiny", BUDDY, plan, *NO_DISK)
+    assert_same_run(run, references["llama3_tiny", "buddy"], tmp_path, STEPS)
+    [detected] = [e for e in events_of(run, "fault_detected") if e.get("exit_code") is not None]
+    assert (detected["rank"], detected["exit_code"]) == (1, 7), detected
+    assert [e["rank"] for e in events_of(run, "rank_phase") if e["phase"] == "device_fault"] == [1]
+    pids = pids_by_rank(run)
+    assert len(pids[1]) == 2 and all(len(pids[r]) == 1 for r in (0, 2, 3)), pids
+    summary = summarize_run(run)
+    [row] = summary.faults
+    assert (row.cause, row.steps_lost) == ("exit(7)", 0), summary.format()
+    assert "its accelerator failed" in row.detail, summary.format()
+
+
+@pytest.mark.timeout(600)
 def test_state_lost_with_no_disk_checkpoint_starts_over_bitwise(tmp_path, data_cache, references):
     """Shard 1 of both replicas killed at step 4 with no disk checkpoint: no copy of that state is
     left anywhere, so every rank starts over from the job's start (seeded init, step-addressed

@@ -33,7 +33,13 @@ import uuid
 from pathlib import Path
 
 from ckless_lightning.agent.fork_server import ForkedProcess, ForkServer
-from ckless_lightning.agent.process_state import is_stopped, read_ready, signal_session, start_with_ready_pipe
+from ckless_lightning.agent.process_state import (
+    is_stopped,
+    read_ready,
+    reap,
+    signal_session,
+    start_with_ready_pipe,
+)
 from ckless_lightning.data.batch_cache import create_cache_dir, remove_cache_dir, unbuilt_wanted_steps
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
@@ -135,7 +141,7 @@ class BatchCacheService:
         wedged = None if stopped or self.reader.poll() is not None else self._wedged_on()
         if stopped or wedged is not None:
             signal_session(self.reader.pid, signal.SIGKILL)
-            self.reader.wait()
+            reap(self.reader, "the batch-cache reader")
         if (code := self.reader.poll()) is not None:
             reason = _restart_reason(stopped, wedged)
             self.events.emit(
@@ -204,7 +210,7 @@ class BatchCacheService:
         self._close_ready_fd()
         if self.reader is not None:
             signal_session(self.reader.pid, signal.SIGKILL)
-            self.reader.wait()
+            reap(self.reader, "the batch-cache reader")
             self.reader = None
         if self.root is not None:
             remove_cache_dir(self.base, self.job_id)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ckless_lightning.agent.process_state import is_stopped, signal_session
+from ckless_lightning.agent.process_state import is_stopped, reap, signal_session
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.faults import how_it_ended
 from ckless_lightning.runtime.contract import launcher_env
@@ -350,4 +350,4 @@ class ForkServer:
         self._ready = False
         if proc is not None:
             signal_session(proc.pid, signal.SIGKILL)
-            proc.wait()
+            reap(proc, "the fork server")

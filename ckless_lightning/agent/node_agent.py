@@ -71,7 +71,7 @@ from ckless_lightning.agent.policies import (
     RestartAll,
     silence_limit,
 )
-from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped
+from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped, reap
 from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
@@ -329,7 +329,7 @@ class NodeAgent:
         until the job completed ``spec.return_step`` (:meth:`_return_slots`)."""
         proc = self.ranks.pop(spec.rank)
         proc.kill()
-        proc.proc.wait()
+        reap(proc.proc, f"rank {spec.rank}")
         self.lost_slots[spec.rank] = spec.return_step
         self.events.emit("slot_lost", rank=spec.rank, node=self.node, return_step=spec.return_step)
         back = "never" if spec.return_step is None else f"once step {spec.return_step} is complete"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ckless_lightning.agent.budget import RestartBudget
-from ckless_lightning.agent.processes import RankProcess, is_stopped
+from ckless_lightning.agent.processes import RankProcess, is_stopped, reap
 from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.faults import how_it_ended
@@ -38,6 +38,7 @@ from ckless_lightning.runtime.config import AgentConfig, JobConfig
 from ckless_lightning.runtime.contract import ExitCode
 
 __all__ = [
+    "BLAME_ORDER",
     "Action",
     "Decision",
     "Node",
@@ -52,6 +53,9 @@ _SETTLE_S = 0.3  # after a first failure, collect the cascade before blaming one
 # Tiers 3-4: survivors stay alive, so there is little cascade to wait for; a replacement is urgent.
 _SETTLE_IN_PROCESS_S = 0.05
 _PEER_REPORT_S = 2.0  # how long to wait for the agent of a remote culprit to report it
+# Which stale rank a hang is blamed on first, by where it says it is (recovery/where.py): its own
+# code, then the batch cache, then its accelerator (a kernel behind a peer's collective), then peers.
+BLAME_ORDER = {"running": 0, "data": 1, "device": 2, "peers": 3}
 
 
 def _blame_class(code: int) -> int:
@@ -169,23 +173,24 @@ class Policy(ABC):
         too, at about the same moment (their beats are milliseconds apart). Blame
         a stopped process (state T) first, stale or not; else a stale rank that
         says it is running its own code before one that waits for the batch
-        cache, before one that waits on its peers (tiers 3-4 report it:
-        ``recovery/where.py``); else the one that beat least recently. When every stale rank
-        says it waits on its peers, the one they wait for may not be stale yet (it beat a few
-        milliseconds after them): every live local rank is a candidate then, so a rank running
-        its own code is blamed, never a waiting one.
+        cache, before one that waits for its accelerator (a kernel behind a peer's collective),
+        before one that waits on its peers (tiers 3-4 report it: ``recovery/where.py``); else the
+        one that beat least recently. When every stale rank says it waits on its peers or its
+        device, the one they wait for may not be stale yet (it beat a few milliseconds after
+        them): every live local rank is a candidate then, so a rank running its own code is
+        blamed, never a waiting one.
         """
         ranks, cfg, node = self.agent.ranks, self.agent.cfg, self.agent.node
         stopped = [r for r, p in ranks.items() if p.poll() is None and is_stopped(p.pid)]
         candidates = sorted(set(stale) | set(stopped))
         where = self.store.rank_where(candidates)
-        if not stopped and all(where.get(r) == "peers" for r in stale):
+        if not stopped and all(where.get(r) in ("peers", "device") for r in stale):
             live = [r for r, p in ranks.items() if p.poll() is None and r not in self.agent.finished]
             candidates = sorted(set(candidates) | set(live))
             where = self.store.rank_where(candidates)
-        order = {"running": 0, "data": 1, "peers": 2}
         rank = min(
-            candidates, key=lambda r: (r not in stopped, order.get(where.get(r, ""), 0), beats[r].time, r)
+            candidates,
+            key=lambda r: (r not in stopped, BLAME_ORDER.get(where.get(r, ""), 0), beats[r].time, r),
         )
         beat = beats[rank]
         ranks[rank].kill()
@@ -331,7 +336,7 @@ class ReplaceFailed(Policy):
         stale = self._stop_finished(obs)
         if stale:
             hung = self._report_hang(gen, stale, obs.beats)
-            self.agent.ranks[hung].proc.wait()  # SIGKILLed: replaced on the next pass
+            reap(self.agent.ranks[hung].proc, f"rank {hung}")  # SIGKILLed: replaced on the next pass
             return Decision(Action.CONTINUE, gen)
         if self._report_lost_node(gen, obs):
             return Decision(Action.NEXT_GENERATION, gen)

@@ -11,10 +11,15 @@ import os
 import select
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_stopped", "read_ready", "signal_session", "start_with_ready_pipe"]
+__all__ = ["REAP_S", "is_stopped", "read_ready", "reap", "signal_session", "start_with_ready_pipe"]
+
+# The longest wait for a killed process to be reaped: one stuck in the kernel (state D: a GPU driver
+# call, a hung network file system read) dies only when that call returns.
+REAP_S = 30.0
 
 
 def start_with_ready_pipe(command: list[str], **popen: Any) -> tuple[subprocess.Popen[bytes], int]:
@@ -63,3 +68,19 @@ def is_stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def reap(proc: Any, what: str, *, timeout_s: float = REAP_S) -> bool:
+    """Wait at most ``timeout_s`` for ``proc`` (a ``Popen`` already sent SIGKILL) to exit; True if it
+    did. If not, say so on stderr and return False: the caller goes on without it (it stays a
+    zombie until its kernel call returns; a later ``poll`` reaps it)."""
+    try:
+        proc.wait(timeout=timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        print(
+            f"agent: {what} (pid {proc.pid}) has not exited {timeout_s:g} s after SIGKILL: stuck in the "
+            "kernel (state D, e.g. a GPU driver call); going on without it",
+            file=sys.stderr,
+        )
+        return False

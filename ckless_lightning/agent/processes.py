@@ -19,7 +19,13 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from ckless_lightning.agent.process_state import is_stopped, read_ready, signal_session, start_with_ready_pipe
+from ckless_lightning.agent.process_state import (
+    is_stopped,
+    read_ready,
+    reap,
+    signal_session,
+    start_with_ready_pipe,
+)
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.contract import RankSpec, launcher_env
 
@@ -31,7 +37,7 @@ if TYPE_CHECKING:
     # A warm spare: started cold (``python -m ckless_lightning.spare``) or forked by the fork server.
     Spare: TypeAlias = "subprocess.Popen[bytes] | ForkedProcess"
 
-__all__ = ["RankProcess", "SparePool", "failure_report", "is_stopped", "signal_session"]
+__all__ = ["RankProcess", "SparePool", "failure_report", "is_stopped", "reap", "signal_session"]
 
 
 class RankProcess:
@@ -95,13 +101,15 @@ class RankProcess:
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``; reap; also kill anything left in its session."""
-        if self.proc.poll() is None:
-            signal_session(self.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        if self.proc.poll() is None and grace_s > 0:
+            signal_session(self.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=grace_s if grace_s > 0 else None)
+                self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                signal_session(self.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass  # it ignored SIGTERM: killed below
+        if self.proc.poll() is None:
+            signal_session(self.pid, signal.SIGKILL)
+            reap(self.proc, f"rank {self.spec.global_rank}")
         signal_session(self.pid, signal.SIGKILL)
         self._pump.join(timeout=5)
 
@@ -279,7 +287,7 @@ class SparePool:
             self._ready.clear()
         for proc in spares:
             signal_session(proc.pid, signal.SIGKILL)
-            proc.wait()
+            reap(proc, "a warm spare")
         for fd in fds:
             os.close(fd)
 
@@ -307,7 +315,7 @@ class SparePool:
         for proc in spares:
             if proc.poll() is None and is_stopped(proc.pid):
                 signal_session(proc.pid, signal.SIGKILL)
-                proc.wait()
+                reap(proc, "a stopped warm spare")
                 lost.append((proc, "stopped"))
             elif proc.poll() is not None:
                 lost.append((proc, "exited"))
@@ -385,7 +393,7 @@ class SparePool:
             if read_fd is not None:
                 os.close(read_fd)
             signal_session(proc.pid, signal.SIGKILL)
-            proc.wait()
+            reap(proc, "a warm spare")
             return
         if self.events is not None:
             self.events.emit("spare_started", pid=proc.pid, **({"forked": True} if read_fd is None else {}))

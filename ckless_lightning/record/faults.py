@@ -37,6 +37,7 @@ _EXIT_MEANINGS = {  # runtime.contract.ExitCode, by value (this module imports n
     4: "lost a peer",
     5: "suspect hardware",
     6: "left behind",
+    7: "its accelerator failed",
 }
 
 

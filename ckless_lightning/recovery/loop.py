@@ -49,6 +49,7 @@ from ckless_lightning.models import resolve_mesh
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import reset_peak_rss, rss_bytes
 from ckless_lightning.recovery.commit import StateDisagreement, StepCommit
+from ckless_lightning.recovery.device_fault import exit_on_device_fault
 from ckless_lightning.recovery.digest import StateDigest
 from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 from ckless_lightning.recovery.memory import MemoryRestore
@@ -59,7 +60,7 @@ from ckless_lightning.recovery.where import WhereReporter
 from ckless_lightning.replication import SnapshotCopies, Transfer
 from ckless_lightning.replication.state import LiveParam, live_params, params_are_optimized, reshard_all
 from ckless_lightning.runtime.checkpointing import latest_checkpoint, quarantine_checkpoints
-from ckless_lightning.runtime.contract import ExitCode, RankContext, is_peer_failure
+from ckless_lightning.runtime.contract import ExitCode, RankContext, is_device_fault, is_peer_failure
 from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
 from ckless_lightning.training.strategy import MEMORY_CHECKPOINT, CheckpointlessStrategy
 
@@ -104,6 +105,9 @@ class InProcessRecovery:
             generation may train a subset of the job's ranks; this rank then stands by outside it,
             and each generation's strategy gets the subset's view (its rank among them, their
             mesh). ``make_trainer`` sees it in ``strategy.generation``.
+        device_busy: on an accelerator, whether it has unfinished work (:func:`~ckless_lightning.
+            recovery.where.cuda_busy`): the agent's hang blame then tells a rank waiting on its
+            device from one running its own code.
     """
 
     def __init__(
@@ -117,8 +121,10 @@ class InProcessRecovery:
         bucket_bytes: int = 64 << 20,
         digest: StateDigest | None = None,
         elastic: ElasticPolicy | None = None,
+        device_busy: Callable[[], bool] | None = None,
     ) -> None:
         self.generation = generation  # the job's view: every rank, the full mesh
+        self.device_busy = device_busy
         self.store: JobStore = generation.store
         self.rank = generation.rank
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -208,7 +214,7 @@ class InProcessRecovery:
         generation: a fault during it is recovered like one during a step. On return this rank
         passed its last collective, and the job store says so (``JobStore.mark_rank_finished``).
         """
-        where = WhereReporter(self.store, self.rank)  # for the agent's hang blame
+        where = WhereReporter(self.store, self.rank, device_busy=self.device_busy)  # the agent's hang blame
         where.start()
         try:
             trainer = self._fit(
@@ -263,6 +269,11 @@ class InProcessRecovery:
                 return None
             except Exception as err:  # any fault: leave this generation and rejoin the next
                 self._unwatch()
+                if is_device_fault(err):  # its CUDA context is poisoned: this process ends here
+                    self._phase(
+                        "device_fault", self.session.generation, error=f"{type(err).__name__}: {err}"[:200]
+                    )
+                    exit_on_device_fault(err, rank=self.rank, keep_ports={self.store.port})
                 self._count_votes()
                 if trainer is not None:
                     self.session.completed_step = trainer.global_step

@@ -32,6 +32,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,13 @@ class MemoryRestore:
         """After the generation's process group exists: buddy copies get their own gloo group.
 
         Host-memory copies travel beside the step's collectives (and NCCL cannot send CPU tensors).
+        Its operations time out with the generation's collectives (gloo's default is 30 minutes),
+        and so does every wait for an exchange (:attr:`SnapshotCopies.wait_timeout_s`).
         """
         if self.snapshots.source == "buddy":
-            self.snapshots.attach(dist.new_group(backend="gloo"))
+            timeout_s = self.generation.pg_timeout_s
+            self.snapshots.attach(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
+            self.snapshots.wait_timeout_s = timeout_s
 
     def adopt(self, module: torch.nn.Module) -> bool:
         """Before the optimizers exist, on the model still on meta: a survivor's live shards become

@@ -6,8 +6,11 @@ in a collective with it wait for the full collective timeout, even after
 ``_abort_process_group()``. Shutting down this process's own TCP connections
 (all but the job store's) makes every peer's pending gloo operation fail within
 milliseconds. On NCCL, aborting the communicators is the designed path:
-:func:`fail_fast` aborts the default group there (a private torch API, checked
-against torch 2.13).
+:func:`fail_fast` aborts the NCCL groups there (a private torch API, checked
+against torch 2.13) and then cuts the TCP connections too: a rank on NCCL also
+has gloo groups (the buddy exchanges' side group, which moves host memory), and
+gloo's ``abort()`` does nothing in torch 2.13 (``ProcessGroupGloo`` does not
+implement it), so only the cut frees a peer waiting in one of them.
 """
 
 from __future__ import annotations
@@ -49,11 +52,18 @@ def sever_connections(keep_ports: set[int]) -> int:
     return cut
 
 
-def fail_fast(keep_ports: set[int]) -> None:
-    """Make peers of the current default process group notice that this rank is leaving it."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        from torch.distributed.distributed_c10d import _abort_process_group
+def _abort_nccl() -> None:
+    """Abort every NCCL communicator of this process (torch 2.13's ``_abort_process_group`` of the
+    default group aborts the backends of all groups)."""
+    from torch.distributed.distributed_c10d import _abort_process_group
 
-        _abort_process_group()
-        return
+    _abort_process_group()
+
+
+def fail_fast(keep_ports: set[int]) -> None:
+    """Make peers of this rank's process groups notice that it is leaving them: NCCL groups are
+    aborted, and every TCP connection but ``keep_ports``' (the job store's) is cut, which ends
+    gloo's (the default group's on CPU, the side groups' on GPU)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        _abort_nccl()
     sever_connections(keep_ports)

@@ -144,6 +144,7 @@ class SnapshotCopies:
     own: list[Snapshot] = field(default_factory=list)
     held: list[Snapshot] = field(default_factory=list)
     group: Any = None  # the exchange's process group (buddy), one per generation
+    wait_timeout_s: float = 600.0  # the longest wait for an exchange (the generation's collective timeout)
     _pending: _Exchange | None = None
     _ward_like: list[torch.Tensor] | None = None  # meta tensors shaped like the ward's shard
     _sums: TensorSums | None = None  # the live state's fingerprint sums (steps without a copy)
@@ -208,17 +209,16 @@ class SnapshotCopies:
         self._pending = _Exchange(dist.batch_isend_irecv(ops), held, step)
 
     def settle(self, timeout_s: float | None = None) -> bool:
-        """Wait for the exchange in flight, if any; True if it completed (the held copy is usable)."""
+        """Wait for the exchange in flight, if any, at most ``timeout_s`` (default
+        :attr:`wait_timeout_s`); True if it completed (the held copy is usable)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return True
+        bound = timedelta(seconds=self.wait_timeout_s if timeout_s is None else timeout_s)
         try:
             for work in pending.works:
-                if timeout_s is None:
-                    work.wait()
-                else:
-                    work.wait(timedelta(seconds=timeout_s))
-        except RuntimeError:  # a peer of the exchange is gone: that held copy is incomplete
+                work.wait(bound)
+        except RuntimeError:  # a peer is gone, or the wait ran out: that held copy is incomplete
             if pending.held is not None:
                 pending.held.complete = False
             return False

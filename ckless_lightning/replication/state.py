@@ -198,7 +198,8 @@ def copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
         for d, s in zip(dst, src, strict=True):
             if d.shape != s.shape or d.dtype != s.dtype:
                 raise ValueError(f"state tensor {tuple(s.shape)}/{s.dtype} != {tuple(d.shape)}/{d.dtype}")
-            if d.numel() and d.data_ptr() == s.data_ptr() and d.stride() == s.stride():
+            same = d.device == s.device and d.data_ptr() == s.data_ptr() and d.stride() == s.stride()
+            if d.numel() and same:
                 continue  # the same storage (a survivor's adopted live state): nothing to move
             d.copy_(s)
 

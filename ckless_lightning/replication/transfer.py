@@ -93,7 +93,9 @@ class BucketLayout:
     unless a single tensor is larger (it then gets a bucket of its own). Each
     tensor starts at an 8-byte aligned offset and bucket sizes are multiples
     of 8 (at least 8). Only the tensors' shapes and dtypes matter, so ranks with
-    alike tensors get identical layouts. ``tensors`` must be contiguous.
+    alike tensors get identical layouts. ``tensors`` must be contiguous; they may be on several
+    devices (a CUDA rank's state is: Adam keeps each ``step`` on the CPU): :meth:`pack` and
+    :meth:`unpack` copy each tensor's bytes between its device and the bucket's.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -103,9 +105,6 @@ class BucketLayout:
         self._slots: list[_Slot] = []
         self._members: list[list[int]] = []
         self._sizes: list[int] = []
-        devices = {t.device for t in tensors}
-        if len(devices) > 1:
-            raise ValueError(f"BucketLayout: tensors are on several devices: {sorted(map(str, devices))}")
         for index, t in enumerate(tensors):
             if not t.is_contiguous():
                 raise ValueError(f"BucketLayout: tensor {index} ({tuple(t.shape)}) is not contiguous.")

@@ -9,6 +9,7 @@ in-process recovery loop agree on it without importing each other:
 - the exit codes of ``launch.py`` and of a rank process (:class:`ExitCode`,
   distinct values);
 - :func:`is_peer_failure`: how a rank tells a lost peer from its own error;
+- :func:`is_device_fault`: its own accelerator failed (the process must end);
 - :func:`die_with_parent` / :func:`die_with_launcher`: no process outlives the agent.
 
 Nothing here imports torch at module level: the agent process uses it.
@@ -40,6 +41,7 @@ __all__ = [
     "RankSpec",
     "die_with_launcher",
     "die_with_parent",
+    "is_device_fault",
     "is_peer_failure",
     "launcher_env",
 ]
@@ -68,6 +70,7 @@ class ExitCode(enum.IntEnum):
     PEER_FAILED = 4  # a rank: its collective failed because a peer went away (blame the peer)
     SUSPECT_STATE = 5  # a rank: its state disagreed with its replicas twice (suspect hardware): replace it
     LEFT_BEHIND = 6  # a rank: still blocked on peers in a generation the job left, after its cut: replace it
+    DEVICE_FAULT = 7  # a rank: its own accelerator failed (a CUDA error poisons the process): replace it
     FAULT_BUDGET = 75  # launch.py: EX_TEMPFAIL, fault budget spent; the scheduler may requeue the job
 
 
@@ -158,12 +161,45 @@ class RankContext:
 
 
 _PEER_FAILURE_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# What CUDA and NCCL say when this process's own device failed (the error is sticky: the context is
+# unusable). Not out-of-memory, which leaves the context usable.
+_DEVICE_FAULT_MESSAGES = (
+    "CUDA error",
+    "unhandled cuda error",
+    "illegal memory access",
+    "ECC error",
+    "device-side assert",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+)
+_CAUSE_DEPTH = 8  # how far along __cause__ / __context__ a device error is looked for
+
+
+def is_device_fault(err: BaseException) -> bool:
+    """This rank's own accelerator failed (``torch.AcceleratorError``, or CUDA's or NCCL's words for
+    it, also as the cause of another error): its CUDA context is poisoned, so the process must
+    end (:class:`ExitCode` ``DEVICE_FAULT``), never train on."""
+    import torch
+
+    seen: BaseException | None = err
+    for _ in range(_CAUSE_DEPTH):
+        if seen is None:
+            return False
+        if isinstance(seen, torch.AcceleratorError):
+            return True
+        if isinstance(seen, RuntimeError) and not isinstance(seen, torch.OutOfMemoryError):
+            if any(m in str(seen) for m in _DEVICE_FAULT_MESSAGES):
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_peer_failure(err: BaseException) -> bool:
-    """A communication error caused by another rank disappearing, not by this rank's own code."""
+    """A communication error caused by another rank disappearing, not by this rank's own code (nor
+    by its own device: NCCL reports this rank's CUDA error as a backend error too)."""
     import torch.distributed as dist
 
+    if is_device_fault(err):
+        return False
     if isinstance(err, (dist.DistNetworkError, dist.DistBackendError)):
         return True
     return isinstance(err, RuntimeError) and any(m in str(err) for m in _PEER_FAILURE_MESSAGES)

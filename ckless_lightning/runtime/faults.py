@@ -54,6 +54,9 @@ __all__ = [
 # sees; a restore from that copy fails its verification against the ward's recorded fingerprint.
 # "reader_stall" (tier 2+): node fault.node's batch-cache reader stops building when it reaches the
 # batch of step fault.step, still running: only the agent's progress check of the reader finds it.
+# "device_error": rank fault.rank's own accelerator fails in phase fault.phase of step fault.step: it
+# raises torch.AcceleratorError as CUDA does on an illegal address or an ECC error (its CUDA context
+# would be unusable): the rank ends (exit code 7) and is replaced, never recovered in-process.
 # "slot_lost" (tiers 3-4, from outside): rank fault.rank's device is lost in step fault.step: its
 # agent kills the rank and has nothing to start in its place until the job has completed step
 # fault.return_step (null: never), as with no spare and no free GPU (elastic.enabled: the job goes on
@@ -64,6 +67,7 @@ FAULT_TYPES = (
     "hang",
     "stall",
     "exception",
+    "device_error",
     "node_loss",
     "corrupt",
     "bitflip",
@@ -192,12 +196,12 @@ class FaultConfig:
                 "set fault.injected_by=outside (or use fault=reader_stall)"
             )
         if self.injected_by == "outside":
-            if self.type in ("exception", "stall"):
+            if self.type in ("exception", "stall", "device_error"):
                 raise ValueError(
                     f"fault.type={self.type} cannot be injected from outside (it happens in the rank's own "
                     "code); use fault.injected_by=inside, or fault.type=kill or hang from outside"
                 )
-            inside_only = sorted({"exception", "stall"} & set(self.types))
+            inside_only = sorted({"exception", "stall", "device_error"} & set(self.types))
             if self.type == "random" and inside_only:
                 raise ValueError(
                     f"fault.types contains {', '.join(inside_only)}, which cannot be injected from outside; "
@@ -224,8 +228,8 @@ class FaultConfig:
                 raise ValueError(f"fault.plan[{i}] has unknown keys {unknown}; allowed: {sorted(allowed)}")
             if entry.get("type") in (None, "none", "random", "plan", "chaos"):
                 raise ValueError(
-                    f"fault.plan[{i}].type must be one of kill | hang | stall | exception | node_loss | "
-                    f"corrupt | bitflip | corrupt_copy | slot_lost, got {entry.get('type')!r}"
+                    f"fault.plan[{i}].type must be one of kill | hang | stall | exception | device_error | "
+                    f"node_loss | corrupt | bitflip | corrupt_copy | slot_lost, got {entry.get('type')!r}"
                 )
             try:
                 entries.append(FaultConfig(**entry))

@@ -28,6 +28,7 @@ from ckless_lightning.record.events import EventLog
 from ckless_lightning.recovery import InProcessRecovery
 from ckless_lightning.recovery.digest import StateDigest
 from ckless_lightning.recovery.elastic import ElasticPolicy
+from ckless_lightning.recovery.where import cuda_busy
 from ckless_lightning.replication import SnapshotCopies
 from ckless_lightning.runtime.checkpointing import checkpoint_name, is_complete_checkpoint, resolve_resume
 from ckless_lightning.runtime.config import JobConfig
@@ -356,6 +357,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         bucket_bytes=int(replication.bucket_mb * (1 << 20)),
         digest=StateDigest(replication.digest_every) if replication.digest_every else None,
         elastic=build_elastic_policy(job),
+        device_busy=_device_busy(job),
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: build_trainer(
@@ -388,3 +390,10 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
             digest_s=round(recovery.digest.seconds, 6) if recovery.digest is not None else 0.0,
         )
     return trainer
+
+
+def _device_busy(job: JobConfig) -> Callable[[], bool] | None:
+    """On a GPU, whether this rank's device has unfinished work (the agent's hang blame); None on CPU."""
+    if resolve_accelerator(job.cluster.accelerator) != "gpu":
+        return None
+    return cuda_busy(torch.cuda.current_device())

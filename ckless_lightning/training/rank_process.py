@@ -29,8 +29,9 @@ from typing import IO, Any
 from omegaconf import OmegaConf
 
 from ckless_lightning.record.events import EventLog
+from ckless_lightning.recovery.device_fault import exit_on_device_fault
 from ckless_lightning.runtime.config import JobConfig, job_config_from_dict
-from ckless_lightning.runtime.contract import ExitCode, RankContext, is_peer_failure
+from ckless_lightning.runtime.contract import ExitCode, RankContext, is_device_fault, is_peer_failure
 from ckless_lightning.training.job import train_rank
 
 __all__ = [
@@ -186,6 +187,8 @@ def run_rank_process(
             _report_resources(job, context)
             _exit_now(ExitCode.OK)
     except Exception as err:
+        if is_device_fault(err):  # tiers 0-2 (tiers 3-4 end in the recovery loop)
+            exit_on_device_fault(err, rank=context.rank, keep_ports=set())
         if not is_peer_failure(err):
             raise
         print(f"rank {context.rank}: a peer went away ({type(err).__name__}: {err})", file=sys.stderr)

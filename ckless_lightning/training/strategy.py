@@ -254,6 +254,9 @@ class CheckpointlessStrategy(ModelParallelStrategy):
     ) -> Any:
         """Forward, backward and clipping (the closure), then the commit vote, then the update.
 
+        On an accelerator the vote waits for the device to finish the step's work (every stream:
+        NCCL's reduce-scatter included), so that a committed vote means reduced gradients.
+
         Lightning runs the closure inside ``optimizer.step(closure)``, and the
         precision plugin clips inside that closure; there is no hook between
         clipping and the update. The precision plugin is therefore handed a
@@ -269,7 +272,12 @@ class CheckpointlessStrategy(ModelParallelStrategy):
             if step_vote is not None and module is not None:
                 step_vote(step_in_progress, lambda: listing.tensors(module, [optimizer]))
 
-        return super().optimizer_step(_CommitThenStep(optimizer, vote), closure, model, **kwargs)
+        device = self.root_device
+        wait_for_device = None
+        if step_vote is not None and device.type not in ("cpu", "meta"):
+            wait_for_device = lambda: torch.accelerator.synchronize(device)  # every stream of the device
+        stand_in = _CommitThenStep(optimizer, vote, wait_for_device=wait_for_device)
+        return super().optimizer_step(stand_in, closure, model, **kwargs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -283,17 +291,33 @@ def _has_meta_parameters(module: torch.nn.Module) -> bool:
 
 
 class _CommitThenStep:
-    """Stands in for an optimizer in the precision plugin: closure, vote, then the real update."""
+    """Stands in for an optimizer in the precision plugin: closure, the device's work done, vote,
+    then the real update.
 
-    def __init__(self, optimizer: Optimizer, vote: Callable[[], None]) -> None:
+    ``wait_for_device`` runs between the closure and the vote: on an accelerator the closure only
+    queues the backward and the gradients' reduce-scatter, so without it "every rank voted" would
+    mean every rank queued them, and a fault (an NCCL abort) after the vote could leave partial
+    gradients for the update to apply.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        vote: Callable[[], None],
+        *,
+        wait_for_device: Callable[[], None] | None = None,
+    ) -> None:
         self._optimizer = optimizer
         self._vote = vote
+        self._wait_for_device = wait_for_device
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         result = None
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
+        if self._wait_for_device is not None:
+            self._wait_for_device()
         self._vote()
         self._optimizer.step(**kwargs)
         return result

@@ -299,6 +299,11 @@ class FaultInjectionCallback(pl.Callback):
                 time.sleep(3600)
         elif spec.fault_type == "exception":
             raise InjectedFault(spec)
+        elif spec.fault_type == "device_error":
+            raise torch.AcceleratorError(
+                f"CUDA error: an illegal memory access was encountered (injected fault #{spec.index}: "
+                f"device_error on rank {spec.rank} at optimizer step {spec.step}, phase {spec.phase})"
+            )
         elif spec.fault_type == "node_loss":
             assert self.node_agent_pid is not None
             os.kill(self.node_agent_pid, signal.SIGKILL)
