@@ -52,6 +52,8 @@ __all__ = [
 _SETTLE_S = 0.3  # after a first failure, collect the cascade before blaming one rank
 # Tiers 3-4: survivors stay alive, so there is little cascade to wait for; a replacement is urgent.
 _SETTLE_IN_PROCESS_S = 0.05
+_POLL_S = 0.02
+_GIVE_UP_SETTLE_S = 2.0  # before giving up on a move by survivors: the local exit that caused it
 _PEER_REPORT_S = 2.0  # how long to wait for the agent of a remote culprit to report it
 # Which stale rank a hang is blamed on first, by where it says it is (recovery/where.py): its own
 # code, then the batch cache, then its accelerator (a kernel behind a peer's collective), then peers.
@@ -321,7 +323,7 @@ class ReplaceFailed(Policy):
             return Decision(Action.GIVE_UP, gen)
         if obs.current > gen:
             if self.budget.spent_by(obs.current):
-                self._report_failed(self._failed())  # what it saw, before it gives up
+                self._report_failed(self._failed_settled())  # what it saw, before it gives up
                 return Decision(Action.GIVE_UP, gen)
             gen = obs.current
         if obs.failed:
@@ -423,6 +425,16 @@ class ReplaceFailed(Policy):
             for rank, proc in self.agent.ranks.items()
             if (code := proc.poll()) not in (None, 0) and rank not in self.agent.finished
         }
+
+    def _failed_settled(self) -> dict[int, int]:
+        """:meth:`_failed`, once a local rank's exit shows or after ``_GIVE_UP_SETTLE_S``: survivors
+        can move the job on within milliseconds of a SIGKILL, before the killed process has
+        finished exiting (tearing down gigabytes takes that long on busy cores); the fault that
+        spent the budget would then go unreported (a fault on another node shows no local exit)."""
+        deadline = time.monotonic() + _GIVE_UP_SETTLE_S
+        while not (failed := self._failed()) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return failed
 
     def _report_failed(self, failed: dict[int, int], member: dict[int, int] | None = None) -> None:
         """``fault_detected`` for each failed rank, in order of blame: how its process ended."""
