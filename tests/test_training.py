@@ -37,3 +37,33 @@ def test_resume_from_step_10_equals_uninterrupted_20_steps(tmp_path, data_cache)
     assert a["state_dict"], "no weights in the checkpoint"
     assert a["optimizer_0"]["state"], "no optimizer state in the checkpoint"
     assert assert_bitwise_equal(a, b) > 800_000  # elements compared: weights and AdamW state
+
+
+def test_checkpoints_are_found_under_lightnings_default_names_too(tmp_path):
+    """A user's ModelCheckpoint with its default template (``epoch=0-step=4.ckpt``, ``-v1`` on a
+    clash) writes recovery points as good as the job's own ``step00000004.ckpt``: a recovery that
+    did not recognize them restarted from step 1 without a word. ``last.ckpt`` says no step."""
+    from ckless_lightning.runtime.checkpointing import checkpoint_step, quarantine_checkpoints
+
+    def folder(name: str, complete: bool = True) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        if complete:
+            (path / ".metadata").touch()
+            (path / "meta.pt").touch()
+        return path
+
+    assert [checkpoint_step(n) for n in ("epoch=0-step=4.ckpt", "epoch=1-step=12-v1.ckpt", "last.ckpt")] == [
+        4,
+        12,
+        None,
+    ]
+    assert checkpoint_step("model-step=7-val_loss=0.50.ckpt") == 7
+    folder("step00000003.ckpt")
+    folder("epoch=0-step=8.ckpt")
+    folder("epoch=0-step=9.ckpt", complete=False)  # killed mid-save: skipped
+    folder("last.ckpt")
+    assert latest_checkpoint(tmp_path) == tmp_path / "epoch=0-step=8.ckpt"
+    moved = quarantine_checkpoints(tmp_path, after_step=3, tag="t")
+    assert sorted(p.name for p in moved) == ["epoch=0-step=8.ckpt.suspect-t", "epoch=0-step=9.ckpt.suspect-t"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step00000003.ckpt"

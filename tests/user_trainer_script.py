@@ -218,10 +218,8 @@ def main() -> None:
             callbacks=[
                 *callbacks,
                 CommitDataPosition(),
-                ModelCheckpoint(
+                ModelCheckpoint(  # Lightning's default names: epoch=0-step=5.ckpt
                     dirpath=ckpt_dir,
-                    filename="step{step:08d}",
-                    auto_insert_metric_name=False,
                     every_n_train_steps=args.ckpt_every,
                     save_top_k=-1,
                     save_last=False,

@@ -1,8 +1,12 @@
 """Disk checkpoints: sharded DCP folders written by Lightning's ModelCheckpoint.
 
-A checkpoint is a folder ``step<NNNNNNNN>.ckpt`` holding torch.distributed.checkpoint
+A checkpoint is a folder ``step<NNNNNNNN>.ckpt`` (the name the job's own
+``ModelCheckpoint`` writes) or any name Lightning's ``ModelCheckpoint`` gives with its
+default template, ``epoch=<E>-step=<N>.ckpt`` (``-v<K>`` appended on a clash; also
+``step=<N>`` anywhere in a user's own ``filename``), holding torch.distributed.checkpoint
 shards (model + optimizer) and Lightning's ``meta.pt`` (loops, schedulers,
-callbacks, data position). It counts as complete only when both DCP's
+callbacks, data position). A name that says no step (``last.ckpt``) is not a
+recovery point: its step would have to be read from the folder. It counts as complete only when both DCP's
 ``.metadata`` and ``meta.pt`` exist: rank 0 writes ``meta.pt`` last, so a run
 killed mid-save leaves an incomplete folder that resume skips.
 """
@@ -22,8 +26,10 @@ __all__ = [
     "resolve_resume",
 ]
 
-CHECKPOINT_GLOB = "step*.ckpt"
+CHECKPOINT_GLOB = "*.ckpt"
 _STEP_RE = re.compile(r"^step(\d+)\.ckpt$")
+# Lightning's ModelCheckpoint: "{epoch}-{step}" with auto_insert_metric_name, a "-v<K>" version suffix.
+_LIGHTNING_STEP_RE = re.compile(r"(?:^|[-_])step=(\d+)(?:[-_][^/]*)?\.ckpt$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -31,7 +37,10 @@ def checkpoint_name(step: int) -> str:
 
 
 def checkpoint_step(path: str | Path) -> int | None:
-    match = _STEP_RE.match(Path(path).name)
+    """The optimizer step a checkpoint's name says (``step00000005.ckpt``, ``epoch=0-step=5.ckpt``,
+    ``epoch=0-step=5-v1.ckpt``); None if it says none."""
+    name = Path(path).name
+    match = _STEP_RE.match(name) or _LIGHTNING_STEP_RE.search(name)
     return int(match.group(1)) if match else None
 
 
