@@ -232,3 +232,41 @@ def test_device_gpu_check_record_and_restore_logic_runs_on_cpu():
     gpu_check.check_record_restore_digest(4, torch.device("cpu"))
     assert not gpu_check.FAILED, gpu_check.RESULTS
     assert {"1 state spans devices", "3 restore from the host copy through buckets"} <= set(gpu_check.RESULTS)
+
+
+def test_nccl_groups_form_on_the_ranks_own_device(monkeypatch):
+    """On NCCL a generation's group is formed after ``set_device`` and bound to the rank's GPU
+    (``device_id``): without it, every rank's communicators would form lazily on whichever device
+    is current at the first collective (device 0 for all of them)."""
+    from ckless_lightning.comm import process_group
+
+    made: dict = {}
+    current: list[torch.device] = []
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        process_group.dist, "init_process_group", lambda backend, **kw: made.update(kw, backend=backend)
+    )
+    monkeypatch.setattr(process_group.torch.cuda, "set_device", current.append)
+    store = SimpleNamespace(process_group_store=lambda generation, init_timeout_s: "store")
+    gpu = torch.device("cuda", 3)
+    process_group.init_generation_process_group(
+        store,
+        backend="nccl",
+        rank=3,
+        world_size=4,
+        generation=2,
+        timeout_s=60,
+        device=gpu,  # type: ignore[arg-type]
+    )
+    assert current == [gpu] and made["device_id"] == gpu and made["backend"] == "nccl"
+    made.clear()
+    process_group.init_generation_process_group(
+        store,
+        backend="gloo",
+        rank=3,
+        world_size=4,
+        generation=2,
+        timeout_s=60,
+        device=torch.device("cpu"),  # type: ignore[arg-type]
+    )
+    assert "device_id" not in made and current == [gpu]  # gloo on CPU: nothing bound

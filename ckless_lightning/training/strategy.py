@@ -168,6 +168,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
                 generation=gen.number,
                 timeout_s=gen.pg_timeout_s,
                 init_timeout_s=gen.init_timeout_s,
+                device=self.root_device,
             )
         init_distributed(self)  # Lightning's own init is skipped when the group exists already
         self._on_phase("comm_init_done")
