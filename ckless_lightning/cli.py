@@ -152,9 +152,13 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, 
     try:
         resolve_accelerator(job.cluster.accelerator)
         _check_bitflip_tensors(job)
-        prepared = prepare_dataset(job.data)
+        job.module.check()
+        job.datamodule.check()
+        # The built-in pipeline is prepared (tokenized, packed) here, once; a user's DataModule
+        # prepares its own data in its hooks, in the ranks.
+        prepared = prepare_dataset(job.data) if job.datamodule.builtin else None
         global_batch = job.data.micro_batch_size * job.cluster.world_size
-        if prepared.num_samples < global_batch:
+        if prepared is not None and prepared.num_samples < global_batch:
             raise ValueError(
                 f"data.source has {prepared.num_samples} sequences of "
                 f"data.seq_len={job.data.seq_len}+1 tokens, "
@@ -175,7 +179,10 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, 
         return ExitCode.CONFIG
 
     print(plan.format())
-    print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
+    if prepared is not None:
+        print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
+    else:
+        print(f"data: {job.datamodule.target} (your DataModule; no batch cache)")
     print(f"resuming from {resume}" if resume else "starting from step 0")
     if job.cluster.standby:
         taken = _stand_by(job, container, run_dir, secret)
@@ -184,7 +191,7 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, 
         job, config_path = taken
         resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
     start_step = checkpoint_step(resume) if resume else 0
-    code = _run_agent(job, config_path, prepared.path, start_step, fork_server, secret)
+    code = _run_agent(job, config_path, prepared and prepared.path, start_step, fork_server, secret)
     _report(job, run_dir, code)
     return code
 
@@ -237,7 +244,7 @@ def _render_k8s(job: Any, container: dict[str, Any], plan: Any) -> int:
 def _run_agent(
     job: Any,
     config_path: Path,
-    prepared_path: Path,
+    prepared_path: Path | None,
     start_step: int,
     fork_server: ForkServer | None,
     secret: str,
@@ -328,7 +335,7 @@ def _check_bitflip_tensors(job: JobConfig) -> None:
     """A ``bitflip`` fault's ``tensor`` names a parameter of the model (built on the meta device), so
     that a typo fails here rather than inside a rank in the middle of training."""
     wanted = {f.tensor for f in job.fault_entries() if f.type == "bitflip" and f.tensor is not None}
-    if not wanted:
+    if not wanted or job.model is None:  # a user's module: its names are known once a rank built it
         return
     import torch
 

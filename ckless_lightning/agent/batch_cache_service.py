@@ -92,13 +92,14 @@ class BatchCacheService:
     def __init__(
         self,
         job: JobConfig,
-        prepared_path: Path,
+        prepared_path: Path | None,
         local_ranks: list[int],
         events: EventLog,
         start_step: int,
         fork_server: ForkServer | None = None,
     ) -> None:
         self.enabled = job.data.mmap_cache
+        assert prepared_path is not None or not self.enabled, "the batch cache reads a prepared dataset"
         self.job = job
         self.base = Path(job.data.mmap_cache_base)
         self.prepared_path = prepared_path

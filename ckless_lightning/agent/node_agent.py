@@ -102,15 +102,15 @@ class NodeAgent:
         job: JobConfig,
         config_path: Path,
         *,
-        prepared_path: Path,
+        prepared_path: Path | None,
         secret: str,
         start_step: int = 0,
         fork_server: ForkServer | None = None,
     ) -> None:
-        """``prepared_path``: the packed dataset (tier 2's reader reads it); ``secret``: the job
-        store's (:mod:`ckless_lightning.comm.secret`); ``start_step``: the optimizer step the job
-        resumes from; ``fork_server``: one ``launch.py`` started early (with ``agent.fork_server``
-        and none given, the agent starts its own)."""
+        """``prepared_path``: the packed dataset (tier 2's reader reads it; None: a user's DataModule,
+        no batch cache); ``secret``: the job store's (:mod:`ckless_lightning.comm.secret`);
+        ``start_step``: the optimizer step the job resumes from; ``fork_server``: one ``launch.py``
+        started early (with ``agent.fork_server`` and none given, the agent starts its own)."""
         self.job = job
         self.secret = secret
         self.agent_id = f"{socket.gethostname()}:{os.getpid()}"  # who acts as this node (ownership)

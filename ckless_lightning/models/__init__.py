@@ -21,6 +21,7 @@ from ckless_lightning.models.mesh import MESH_DIM_NAMES, build_mesh, resolve_mes
 from ckless_lightning.models.mixtral import Mixtral, MixtralConfig
 from ckless_lightning.models.parallelize import (
     FSDPConfig,
+    data_parallel_mesh,
     fsdp_shard_dims,
     parallelize_llama3,
     parallelize_mixtral,
@@ -36,6 +37,7 @@ __all__ = [
     "MixtralConfig",
     "build_mesh",
     "build_model",
+    "data_parallel_mesh",
     "fsdp_shard_dims",
     "init_draw_count",
     "init_weights",

@@ -21,7 +21,7 @@ from ckless_lightning.models.llama3 import Llama3
 from ckless_lightning.models.mesh import MESH_DIM_NAMES
 from ckless_lightning.models.mixtral import Experts, Mixtral
 
-__all__ = ["FSDPConfig", "fsdp_shard_dims", "parallelize_llama3", "parallelize_mixtral"]
+__all__ = ["FSDPConfig", "data_parallel_mesh", "fsdp_shard_dims", "parallelize_llama3", "parallelize_mixtral"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,8 +60,11 @@ class FSDPConfig:
         )
 
 
-def _data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh to hand ``fully_shard``: the 2-D mesh for HSDP, its ``"shard"`` dim for FSDP."""
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh to hand ``fully_shard``: the 2-D mesh for HSDP, its ``"shard"`` dim for FSDP.
+
+    ``mesh``: ``CheckpointlessStrategy``'s ("replicate", "shard") mesh, which a LightningModule
+    reads as ``self.device_mesh`` in ``configure_model``."""
     if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES:
         raise ValueError(
             f"mesh must be 2-D with mesh_dim_names={MESH_DIM_NAMES}, got ndim={mesh.ndim} "
@@ -93,7 +96,7 @@ def fsdp_shard_dims(model: nn.Module, shard_size: int) -> dict[str, int]:
 def _shard_blocks_then_root(
     model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, cfg: FSDPConfig
 ) -> None:
-    dp_mesh = _data_parallel_mesh(mesh)
+    dp_mesh = data_parallel_mesh(mesh)
     mp_policy = cfg.mp_policy()
     params = dict(model.named_parameters())
     dim_of = {id(params[name]): dim for name, dim in fsdp_shard_dims(model, mesh.size(1)).items()}

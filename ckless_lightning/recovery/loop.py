@@ -58,7 +58,14 @@ from ckless_lightning.recovery.sever import fail_fast
 from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.recovery.where import WhereReporter
 from ckless_lightning.replication import SnapshotCopies, Transfer
-from ckless_lightning.replication.state import LiveParam, live_params, params_are_optimized, reshard_all
+from ckless_lightning.replication.state import (
+    LiveParam,
+    live_params,
+    params_are_optimized,
+    reshard_all,
+    rng_state,
+    set_rng_state,
+)
 from ckless_lightning.runtime.checkpointing import latest_checkpoint, quarantine_checkpoints
 from ckless_lightning.runtime.contract import ExitCode, RankContext, is_device_fault, is_peer_failure
 from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
@@ -237,6 +244,10 @@ class InProcessRecovery:
     ) -> pl.Trainer | None:
         resume: str | Path | None = ckpt_path
         recovering = self.session.generation > 0
+        # A generation that starts over (no checkpoint) starts from the RNG state the job started
+        # with, as a run without faults did: a user's module may draw its weights or its data
+        # order from torch's global RNG when it is built.
+        start_rng = rng_state()
         left_after: int | None = None  # the completed step, while between generations
         while True:
             trainer: pl.Trainer | None = None
@@ -254,6 +265,8 @@ class InProcessRecovery:
                         # the steps this generation will train, nor do fingerprints recorded so far.
                         self.snapshots.resumed_at(None)
                         self.store.begin_timeline(gen.number)
+                if resume is None:
+                    set_rng_state(start_rng)
                 trainer = make_trainer(self._strategy(gen, resume), self._callbacks(gen.number))
                 trainer.fit(make_module(), datamodule=datamodule, ckpt_path=resume)
                 if after_fit is not None:

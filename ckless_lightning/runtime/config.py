@@ -18,6 +18,7 @@ from typing import Any
 
 from ckless_lightning.data.config import DataConfig
 from ckless_lightning.deploy import K8sConfig
+from ckless_lightning.runtime.component_config import BUILTIN_DATAMODULE, BUILTIN_MODULE, ComponentConfig
 from ckless_lightning.runtime.faults import FaultConfig, FaultSpec, plan_faults
 from ckless_lightning.runtime.logger_config import LoggerConfig
 
@@ -376,7 +377,7 @@ class JobConfig:
     """The whole job, validated. Built by :func:`job_config_from_dict`."""
 
     recipe: str
-    model: Any  # a model family's config dataclass (Llama3Config, MixtralConfig)
+    model: Any  # a model family's config dataclass (Llama3Config, MixtralConfig); None: a user's module
     fsdp: Any  # ckless_lightning.models.FSDPConfig
     data: DataConfig
     optim: OptimConfig
@@ -398,8 +399,14 @@ class JobConfig:
     logger: LoggerConfig | None = None
     # Render Kubernetes manifests instead of running (ckless_lightning.deploy.k8s); off by default.
     k8s: K8sConfig = field(default_factory=K8sConfig)
+    # The LightningModule and LightningDataModule every rank builds (``module:`` / ``datamodule:``).
+    module: ComponentConfig = field(default_factory=lambda: ComponentConfig("module", BUILTIN_MODULE))
+    datamodule: ComponentConfig = field(
+        default_factory=lambda: ComponentConfig("datamodule", BUILTIN_DATAMODULE)
+    )
 
     def __post_init__(self) -> None:
+        self._check_components()
         if self.logger is None:
             self.logger = LoggerConfig.csv(self.run_dir)
         if not isinstance(self.timeline, bool):
@@ -411,7 +418,7 @@ class JobConfig:
                 f"tier={self.tier} is not available yet (available: {', '.join(map(str, AVAILABLE_TIERS))}); "
                 "tier 4 (checkpointless) comes with its issue"
             )
-        if self.tier >= 2 and not self.data.mmap_cache:
+        if self.tier >= 2 and self.datamodule.builtin and not self.data.mmap_cache:
             raise ValueError(f"tier={self.tier} includes the batch cache: data.mmap_cache must stay true")
         if self.tier >= 3 and not self.comm.rootless:
             raise ValueError(
@@ -484,6 +491,8 @@ class JobConfig:
                 f"data.micro_batch_size={self.data.micro_batch_size} x world size {self.cluster.world_size}; "
                 f"use a multiple of {per_step}"
             )
+        if self.model is None or not self.datamodule.builtin:
+            return  # a user's module or data: their own sizes
         if self.model.vocab_size < 256 and self.data.format != "tokenized":
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is smaller than the byte tokenizer's 256; "
@@ -494,6 +503,29 @@ class JobConfig:
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower data.seq_len or raise model.max_seq_len"
             )
+
+    def _check_components(self) -> None:
+        """The built-in module needs ``model``; a user's DataModule reads its own data, so the batch
+        cache (tier 2's ``data.mmap_cache``, built for the built-in pipeline) is off for it."""
+        if self.module.builtin and self.model is None:
+            raise ValueError(
+                f"model is missing: {BUILTIN_MODULE} (module._target_) trains a model a recipe "
+                "configures; pick a recipe (recipe=llama3_tiny) or name your own LightningModule "
+                "in module._target_"
+            )
+        if self.datamodule.builtin:
+            return
+        for key, value in (
+            ("data.record_samples", self.data.record_samples),
+            ("elastic.enabled", self.elastic.enabled),
+        ):
+            if value:
+                raise ValueError(
+                    f"{key}=true needs the built-in data pipeline ({BUILTIN_DATAMODULE}); "
+                    f"datamodule._target_={self.datamodule.target} is your own: set {key}=false"
+                )
+        if self.data.mmap_cache:
+            self.data = dataclasses.replace(self.data, mmap_cache=False)
 
     def fault_entries(self) -> list[FaultConfig]:
         """The targeted faults of ``fault`` (a plan's entries, or the one fault; none for random/none)."""
@@ -640,17 +672,18 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "elastic",
         "logger",
         "k8s",
+        "module",
+        "datamodule",
     }
     unknown = sorted(set(cfg) - known_top)
     if unknown:
         raise ValueError(
             f"unknown top-level config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known_top))}"
         )
-    if "model" not in cfg:
-        raise ValueError("the config has no model section: pick a recipe, e.g. recipe=llama3_tiny")
+    model = cfg.get("model")
     return JobConfig(
         recipe=str(cfg.get("recipe", "")),
-        model=_instantiate_model(cfg["model"]),
+        model=None if model in (None, "???") else _instantiate_model(model),
         fsdp=build_section(FSDPConfig, cfg.get("fsdp"), "fsdp"),
         data=build_section(DataConfig, cfg.get("data"), "data"),
         optim=build_section(OptimConfig, cfg.get("optim"), "optim"),
@@ -669,4 +702,6 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         timeline=cfg.get("timeline", True),
         logger=LoggerConfig.from_mapping(cfg["logger"]) if cfg.get("logger") is not None else None,
         k8s=build_section(K8sConfig, cfg.get("k8s"), "k8s"),
+        module=ComponentConfig.from_mapping("module", cfg.get("module"), BUILTIN_MODULE),
+        datamodule=ComponentConfig.from_mapping("datamodule", cfg.get("datamodule"), BUILTIN_DATAMODULE),
     )

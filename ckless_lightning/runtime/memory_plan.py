@@ -65,6 +65,7 @@ class MemoryPlan:
     host_copy_bytes: int = 0  # tier 4 buddy: the four host slots (own two, the buddy's two)
     snapshot_bytes: int = 0  # tier 4 buddy: copied locally and sent to the buddy per snapshot
     recovery_peak_bytes: int = 0  # tier 4: a transfer's send and receive buckets
+    unknowns: tuple[str, ...] = ()  # what the plan cannot know (a user's module), said in format()
 
     @property
     def host_slots(self) -> int:
@@ -94,10 +95,14 @@ class MemoryPlan:
             f"  optimizer state  {_size(self.optim_bytes)}  (AdamW exp_avg + exp_avg_sq)",
             f"  total            {_size(self.total_bytes)}  (activations not included)",
             *self._tier4_lines(),
-            f"weight init:  ~{_duration(self.init_seconds)} per rank (estimate: "
-            f"{_count(self.init_draw_elements)} random draws x {self.init_ns_per_element} ns "
-            "on one CPU core)",
         ]
+        if self.init_ns_per_element:
+            lines.append(
+                f"weight init:  ~{_duration(self.init_seconds)} per rank (estimate: "
+                f"{_count(self.init_draw_elements)} random draws x {self.init_ns_per_element} ns "
+                "on one CPU core)"
+            )
+        lines.extend(f"not known:    {note}" for note in self.unknowns)
         return "\n".join(lines)
 
     def _tier4_lines(self) -> list[str]:
@@ -130,14 +135,24 @@ def _size(n: int) -> str:
 
 
 def plan_job(job: JobConfig) -> MemoryPlan:
-    """Build ``job``'s model on the meta device (no memory) and size its per-rank shards."""
+    """Build ``job``'s model on the meta device (no memory) and size its per-rank shards.
+
+    A user's module (``module._target_``) is built on the meta device too; what it creates only in
+    ``configure_model``, its optimizer and its init cost are not known, and the plan says so."""
     from ckless_lightning.models import build_model, fsdp_shard_dims, init_draw_count
     from ckless_lightning.models.init import INIT_NS_PER_ELEMENT
 
-    with torch.device("meta"):
-        model = build_model(job.model)
     _, shard = job.cluster.mesh_shape
-    dims = fsdp_shard_dims(model, shard)
+    unknowns: tuple[str, ...] = ()
+    if job.module.builtin:
+        with torch.device("meta"):
+            model = build_model(job.model)
+        dims = fsdp_shard_dims(model, shard)
+        init_draws, init_ns = init_draw_count(model, dims, shard, shard_rank=0), INIT_NS_PER_ELEMENT
+    else:
+        model, unknowns = _user_module_on_meta(job)
+        dims = {name: 0 for name, _ in model.named_parameters()}  # fully_shard's default, Shard(0)
+        init_draws, init_ns = 0, 0.0
     num_params = 0
     shard_elems = 0
     for name, p in model.named_parameters():
@@ -151,7 +166,7 @@ def plan_job(job: JobConfig) -> MemoryPlan:
     loop = int(job.replication.loop_capacity_mb * (1 << 20))
     return MemoryPlan(
         recipe=job.recipe,
-        model=type(model).__name__,
+        model=type(model).__name__ if job.module.builtin else job.module.target,
         num_params=num_params,
         world_size=job.cluster.world_size,
         mesh=job.cluster.mesh_shape,
@@ -160,14 +175,38 @@ def plan_job(job: JobConfig) -> MemoryPlan:
         param_bytes=shard_elems * master,
         grad_bytes=shard_elems * master,
         optim_bytes=2 * shard_elems * master,
-        init_draw_elements=init_draw_count(model, dims, shard, shard_rank=0),
-        init_ns_per_element=INIT_NS_PER_ELEMENT,
+        init_draw_elements=init_draws,
+        init_ns_per_element=init_ns,
         replication=replication,
         host_copy_bytes=4 * (copied + loop) if replication == "buddy" else 0,
         snapshot_bytes=copied if replication == "buddy" else 0,
         # buckets are as large as the state they carry, up to replication.bucket_mb
         recovery_peak_bytes=2 * min(int(job.replication.bucket_mb * (1 << 20)), copied) if replication else 0,
+        unknowns=unknowns,
     )
+
+
+def _user_module_on_meta(job: JobConfig) -> tuple[torch.nn.Module, tuple[str, ...]]:
+    """The user's LightningModule built on the meta device (no memory), and what the plan cannot
+    know of it."""
+    from hydra.utils import instantiate
+
+    target = job.module.target
+    unknowns = [
+        "optimizer state: counted as AdamW's (2 x the parameters); another optimizer keeps other state",
+        "weight init time: the module's own",
+    ]
+    try:
+        with torch.device("meta"):
+            module = instantiate(job.module.to_mapping(), _convert_="all")
+    except Exception as err:  # the user's constructor: the plan goes on without its sizes
+        unknowns.insert(0, f"parameters: {target} could not be built on the meta device ({err})")
+        return torch.nn.Module(), tuple(unknowns)
+    if not any(True for _ in module.parameters()):
+        unknowns.insert(
+            0, f"parameters: {target} creates none in __init__ (configure_model's are not counted)"
+        )
+    return module, tuple(unknowns)
 
 
 def resolve_accelerator(name: str) -> str:

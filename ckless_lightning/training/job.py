@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -145,6 +146,8 @@ def build_trainer(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
+        # The built-in loader shards the data itself; a user's loader is sharded by the strategy
+        # (CheckpointlessStrategy.process_dataloader), with an order that survives a recovery.
         use_distributed_sampler=False,
         # Checkpoints are ours (checkpoint.*): without this, checkpoint.every_n_steps=0 would get
         # Lightning's default ModelCheckpoint, a full checkpoint at the end of each epoch (1.3 GB at 100M).
@@ -155,13 +158,22 @@ def build_trainer(
     )
 
 
-def build_module(job: JobConfig) -> CausalLMModule:
-    return CausalLMModule(
-        job.model, optim=job.optim, fsdp=job.fsdp, seed=job.seed, max_steps=job.trainer.max_steps
-    )
+def build_module(job: JobConfig) -> pl.LightningModule:
+    """The job's LightningModule (``module``): the built-in CausalLMModule from ``model``/``optim``/
+    ``fsdp``, or the user's class built by ``hydra.utils.instantiate``. Called once per generation
+    (tiers 3-4: every recovery builds a new one)."""
+    if job.module.builtin:
+        return CausalLMModule(
+            job.model, optim=job.optim, fsdp=job.fsdp, seed=job.seed, max_steps=job.trainer.max_steps
+        )
+    return _instantiate(job.module.to_mapping(), pl.LightningModule, "module")
 
 
-def build_datamodule(job: JobConfig, batch_cache: str | None = None) -> TokenDataModule:
+def build_datamodule(job: JobConfig, batch_cache: str | None = None) -> pl.LightningDataModule:
+    """The job's LightningDataModule (``datamodule``): the built-in TokenDataModule from ``data``
+    (``batch_cache``: tier 2's node cache), or the user's class built by ``hydra.utils.instantiate``."""
+    if not job.datamodule.builtin:
+        return _instantiate(job.datamodule.to_mapping(), pl.LightningDataModule, "datamodule")
     return TokenDataModule(
         job.data,
         accumulate_grad_batches=job.accumulate_grad_batches,
@@ -171,6 +183,15 @@ def build_datamodule(job: JobConfig, batch_cache: str | None = None) -> TokenDat
         elastic=job.elastic.enabled,
         dp_size=job.cluster.world_size,
     )
+
+
+def _instantiate(config: dict[str, object], kind: type, key: str) -> Any:
+    built = instantiate(config, _convert_="all")
+    if not isinstance(built, kind):
+        raise TypeError(
+            f"{key}._target_={config['_target_']} built a {type(built).__name__}, not a {kind.__name__}"
+        )
+    return built
 
 
 def build_elastic_policy(job: JobConfig) -> ElasticPolicy | None:
@@ -195,7 +216,7 @@ class _RankRun:
     context: RankContext
     events: EventLog
     ckpt_path: Path | None  # where generation 0 starts (checkpoint.resume)
-    datamodule: TokenDataModule
+    datamodule: pl.LightningDataModule
     specs: list[FaultSpec]
 
     def phase(self, name: str, **fields: object) -> None:

@@ -47,6 +47,8 @@ def quiet_known_noise(checkpoint_dir: str | Path | None = None) -> None:
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
     warnings.filterwarnings("ignore", message=_SRUN_HINT)
+    # torchdata 0.11's StatefulDataLoader calls a torch API that torch 2.13 deprecates, every iteration.
+    warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", module=r"torchdata\.")
     if checkpoint_dir is not None:
         ours = re.escape(os.path.realpath(checkpoint_dir))  # ModelCheckpoint names it by its real path
         warnings.filterwarnings("ignore", message=rf"Checkpoint directory {ours} exists and is not empty")

@@ -125,9 +125,18 @@ def prepare_rank(config_path: str | Path, *, warm_data: bool = True) -> Prepared
 
 def warm_data(job: JobConfig) -> None:
     """Look the prepared dataset up (a cache hit: launch.py prepared it) and, when the ranks read it
-    directly (no batch cache), memory-map it once: rank-independent, and it warms the page cache."""
+    directly (no batch cache), memory-map it once: rank-independent, and it warms the page cache.
+    A user's module and DataModule (``module`` / ``datamodule``) are imported instead."""
     from ckless_lightning.data import load_prepared, prepare_dataset
 
+    user = [c.target for c in (job.module, job.datamodule) if not c.builtin]
+    if user:
+        from ckless_lightning.runtime.component_config import import_object
+
+        for target in user:
+            import_object(target)  # launch.py imported it already: an error here is the rank's to report
+    if not job.datamodule.builtin:
+        return
     try:
         prepared = prepare_dataset(job.data)
         if not job.data.mmap_cache:

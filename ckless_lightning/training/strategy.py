@@ -26,6 +26,7 @@ restore path, ``load_checkpoint``). The strategy imports none of recovery.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -91,6 +93,8 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         on_leave: tier 3+: called from :meth:`on_exception` while the process group still exists,
             so that this rank's peers notice it leaving at once.
         memory: tier 4: serves ``fit(ckpt_path=MEMORY_CHECKPOINT)`` from memory.
+        data_seed: orders a user's shuffled train loader (:meth:`process_dataloader`), with the epoch;
+            None: the seed of ``lightning.seed_everything``, as Lightning's own DistributedSampler.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         step_vote: Callable[[int, Callable[[], Sequence[torch.Tensor]]], None] | None = None,
         on_leave: Callable[[], None] | None = None,
         memory: InMemoryState | None = None,
+        data_seed: int | None = None,
     ) -> None:
         if generation is not None:
             (replicate, shard), timeout = generation.mesh, timedelta(seconds=generation.pg_timeout_s)
@@ -129,6 +134,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._on_leave = on_leave
         self._memory = memory
         self._light = False
+        self._data_seed = data_seed
 
     @property
     def generation(self) -> Generation | None:
@@ -180,9 +186,28 @@ class CheckpointlessStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
+        _check_sharded(module, self.world_size)
         if callable(getattr(module, "reset_parameters", None)) and _has_meta_parameters(module):
             self._materialize(module)
         super().setup(trainer)  # Lightning's own materialization finds nothing left on meta
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The train loader, able to save and restore the position of the last trained batch and
+        reading this rank's part of the data
+        (:func:`~ckless_lightning.data.positioned_loader.positioned_loader`: a ``DataLoader`` or
+        torchdata's ``StatefulDataLoader``); other loaders as they are."""
+        module = self.lightning_module
+        if module is None or not module.trainer.training:
+            return dataloader
+        from ckless_lightning.data.positioned_loader import positioned_loader
+
+        seed = self._data_seed
+        if seed is None:  # Lightning's convention (trainer/connectors/data_connector.py, 2.6)
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return positioned_loader(
+            dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size, seed=seed
+        )
 
     def _materialize(self, module: pl.LightningModule) -> None:
         """Allocate the model on the device; initialize it only if no checkpoint will overwrite it."""
@@ -285,6 +310,24 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         """Tier 3+: this rank leaves the generation (``on_leave``: peers' pending collectives fail now)."""
         if self._on_leave is not None:
             self._on_leave()
+
+
+def _check_sharded(module: pl.LightningModule, world_size: int) -> None:
+    """On more than one rank every parameter must be a DTensor (sharded or replicated over the
+    mesh by ``fully_shard`` in ``configure_model``): a plain one would be trained as a separate
+    copy on each rank, with no gradient reduction and no error."""
+    if world_size < 2:
+        return
+    plain = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        more = f" and {len(plain) - 1} more" if len(plain) > 1 else ""
+        raise ValueError(
+            f"{type(module).__name__}'s parameter {plain[0]!r}{more} is not sharded: on {world_size} "
+            "ranks each would train its own copy. In configure_model, apply FSDP2 over the "
+            "strategy's mesh: mesh = ckless_lightning.models.data_parallel_mesh(self.device_mesh), "
+            "then torch.distributed.fsdp.fully_shard(block, mesh=mesh) for each block and "
+            "fully_shard(self.<model>, mesh=mesh)"
+        )
 
 
 def _has_meta_parameters(module: torch.nn.Module) -> bool:

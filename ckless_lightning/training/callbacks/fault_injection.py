@@ -12,8 +12,8 @@ is called by ``optimizer.step`` itself):
 phase           where it fires                                   what has run on this rank
 ==============  ===============================================  ====================================
 data            ``on_train_batch_start``                         batch fetched; no forward yet
-forward         forward pre-hook on the LightningModule, put on  ``training_step`` entered; the
-                in ``on_train_batch_start`` (``self(inputs)``)   module's forward not yet
+forward         a global forward pre-hook, put on in             ``training_step`` entered; no
+                ``on_train_batch_start`` (the first forward)     module's forward yet
 backward        ``loss.register_hook``, put on in                backward started; no parameter
                 ``on_before_backward``                           gradient yet
 grad_reduction  ``on_after_backward``                            backward done (FSDP2 reduce-scatter);
@@ -62,6 +62,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
@@ -225,7 +226,8 @@ class FaultInjectionCallback(pl.Callback):
             return
         self._fire("data")
         if any(s.phase == "forward" for s in self._due):
-            self._forward_handle = pl_module.register_forward_pre_hook(self._before_forward)
+            # Any module's forward: a LightningModule may call its model directly (self.net(x)).
+            self._forward_handle = register_module_forward_pre_hook(self._before_forward)
 
     @override
     def on_before_backward(

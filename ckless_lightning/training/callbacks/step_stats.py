@@ -59,8 +59,9 @@ class StepStatsCallback(pl.Callback):
             self.interval_cpu_seconds.append(now[1] - self._last_end[1])
             self.interval_end_times.append(time.time())
         self._last_end = now
-        ids = batch["input_ids"]
-        self.tokens_per_step = (ids.shape[1] - 1) * ids.shape[0] * trainer.accumulate_grad_batches
+        if isinstance(batch, dict) and "input_ids" in batch:  # token batches; a user's: no token count
+            ids = batch["input_ids"]
+            self.tokens_per_step = (ids.shape[1] - 1) * ids.shape[0] * trainer.accumulate_grad_batches
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
