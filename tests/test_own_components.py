@@ -81,6 +81,12 @@ def test_loaders_without_a_position_are_refused_with_the_fix():
         positioned_loader(DataLoader(Stream(), batch_size=2), rank=0, world_size=1, seed=0)
     with pytest.raises(TypeError, match="cannot be positioned"):
         positioned_loader([torch.zeros(2)], rank=0, world_size=1, seed=0)
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import RandomSampler
+
+    injected = DistributedSamplerWrapper(RandomSampler(DATA), num_replicas=2, rank=0)  # Lightning's default
+    with pytest.raises(TypeError, match="use_distributed_sampler=False"):
+        positioned_loader(DataLoader(DATA, batch_size=2, sampler=injected), rank=0, world_size=2, seed=0)
     own = StatefulDataLoader(Stream(), batch_size=2)  # its dataset's state is its position
     assert isinstance(positioned_loader(own, rank=0, world_size=1, seed=0), CommittedPositionLoader)
 

@@ -127,6 +127,14 @@ def _rebuilt(loader: DataLoader, *, rank: int, world_size: int, seed: int) -> An
             "implements state_dict()/load_state_dict(), or a map-style dataset"
         )
     sampler = loader.sampler
+    if loader.batch_sampler is not None and getattr(loader.batch_sampler, "sampler", None) is not None:
+        sampler = loader.batch_sampler.sampler  # where Lightning's injection puts it
+    if type(sampler).__name__ == "DistributedSamplerWrapper":
+        raise TypeError(
+            "the train loader's sampler was wrapped by Lightning's DistributedSamplerWrapper, whose "
+            "order a recovery cannot repeat: build the Trainer with use_distributed_sampler=False "
+            "(CheckpointlessStrategy gives each rank its part itself)"
+        )
     if isinstance(sampler, (RandomSampler, stateful.RandomSampler, SequentialSampler)):
         if getattr(sampler, "replacement", False):
             raise TypeError(
