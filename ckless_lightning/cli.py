@@ -156,6 +156,7 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, 
         job.datamodule.check()
         # The built-in pipeline is prepared (tokenized, packed) here, once; a user's DataModule
         # prepares its own data in its hooks, in the ranks.
+        _check_tokenizer(job)
         prepared = prepare_dataset(job.data) if job.datamodule.builtin else None
         global_batch = job.data.micro_batch_size * job.cluster.world_size
         if prepared is not None and prepared.num_samples < global_batch:
@@ -329,6 +330,21 @@ def _draw_timeline(run_dir: Path) -> Path | None:
     except (ImportError, ValueError, OSError) as err:
         print(f"warning: no timeline picture ({type(err).__name__}: {err})", file=sys.stderr)
         return None
+
+
+def _check_tokenizer(job: JobConfig) -> None:
+    """``data.tokenizer`` loads, and the model's embedding holds every id it emits."""
+    if job.data.tokenizer is None or not job.datamodule.builtin:
+        return
+    from ckless_lightning.data import check_vocab
+    from ckless_lightning.data.hf_tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(job.data.tokenizer)
+    print(
+        f"tokenizer: {job.data.tokenizer} ({tokenizer.vocab_size:,} ids, end of text {tokenizer.eod_token})"
+    )
+    if job.model is not None:
+        check_vocab(tokenizer.vocab_size, job.model.vocab_size)
 
 
 def _check_bitflip_tensors(job: JobConfig) -> None:

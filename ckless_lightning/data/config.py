@@ -40,6 +40,8 @@ class DataConfig:
     # those are found at once) is taken for wedged: the agent kills and restarts it.
     reader_timeout_s: float = 30.0
     record_samples: bool = False  # write each rank's sample ids per step to <run_dir>/samples/
+    # A local Hugging Face tokenizer (tokenizer.json, or a model directory); None: the byte tokenizer.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -75,5 +77,10 @@ class DataConfig:
             raise ValueError(f"data.lookback={self.lookback!r} must be a non-negative integer.")
         if not self.reader_timeout_s > 0:
             raise ValueError(f"data.reader_timeout_s={self.reader_timeout_s!r} must be > 0 (seconds).")
+        if self.tokenizer is not None and (not str(self.tokenizer).strip() or self.format == "tokenized"):
+            raise ValueError(
+                f"data.tokenizer={self.tokenizer!r}: set it to a local tokenizer.json or model directory "
+                "for text sources, or null (pre-tokenized data, data.format=tokenized, needs none)"
+            )
         if not self.cache_dir:
             raise ValueError("data.cache_dir is empty; set it to a writable directory.")

@@ -6,8 +6,10 @@ them as Arrow under ``cache_dir/<key>``. Rank processes call ``load_prepared`` o
 path and never tokenize. Row ``i`` carries ``sample_id == i``, so a sample id names the
 same tokens for as long as the cache key is unchanged.
 
-Text is byte-tokenized and every document is followed by ``EOD_TOKEN`` (0) before the
-documents are concatenated. Pre-tokenized rows (``format=tokenized``) are concatenated as
+Text is tokenized by ``data.tokenizer`` (a local Hugging Face tokenizer,
+:mod:`~ckless_lightning.data.hf_tokenizer`; by default the byte tokenizer) and every
+document is followed by its end-of-text id (the byte tokenizer's ``EOD_TOKEN``, 0) before
+the documents are concatenated. Pre-tokenized rows (``format=tokenized``) are concatenated as
 they are: their producer knows its own end-of-document id and must have appended it.
 The stream is cut into whole rows and the tail shorter than one row is dropped.
 """
@@ -24,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +34,7 @@ import pyarrow.compute as pc
 
 from ckless_lightning.data.config import DataConfig
 from ckless_lightning.data.corpus import default_corpus, file_fingerprints
-from ckless_lightning.data.tokenizer import ByteTokenizer
+from ckless_lightning.data.hf_tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     # ``datasets`` (with pandas) is imported where it is used: a launcher whose data is cached
@@ -139,22 +141,22 @@ def _resolve_source(cfg: DataConfig) -> _Source:
     return _Source(formats.pop(), tuple(files), cfg.source)
 
 
-def _cache_key(cfg: DataConfig, src: _Source) -> str:
-    """Hash of everything that changes the packed rows: input files, format and packing rule."""
+def _cache_key(cfg: DataConfig, src: _Source, tokenizer_name: str) -> str:
+    """Hash of everything that changes the packed rows: input files, format, tokenizer and packing rule."""
     tokenized = src.format == "tokenized"
     parts = {
         "format_version": FORMAT_VERSION,
         "format": src.format,
         "text_column": None if tokenized else cfg.text_column,
         "seq_len": cfg.seq_len,
-        "tokenizer": "pretokenized" if tokenized else ByteTokenizer.name,
+        "tokenizer": "pretokenized" if tokenized else tokenizer_name,
         "files": file_fingerprints(src.files),
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     return f"{src.format}-L{cfg.seq_len}-{digest[:20]}"
 
 
-def _tokenize(cfg: DataConfig, src: _Source, work: Path, key: str) -> Dataset:
+def _tokenize(cfg: DataConfig, src: _Source, work: Path, key: str, tokenizer: Any) -> Dataset:
     """One row per document with an ``input_ids`` id list (text sources end each with EOD)."""
     from datasets import Features, LargeList, Value, load_dataset
 
@@ -181,7 +183,6 @@ def _tokenize(cfg: DataConfig, src: _Source, work: Path, key: str) -> Dataset:
             "not strings; "
             "point data.text_column at a text column."
         )
-    tokenizer = ByteTokenizer()
     return (
         ds.select_columns([text_column])
         .with_format("arrow")
@@ -278,7 +279,8 @@ def prepare_dataset(cfg: DataConfig) -> PreparedData:
     """
     started = time.monotonic()
     src = _resolve_source(cfg)
-    key = _cache_key(cfg, src)
+    tokenizer = load_tokenizer(cfg.tokenizer) if src.format != "tokenized" else None
+    key = _cache_key(cfg, src, tokenizer.name if tokenizer is not None else "pretokenized")
     root = Path(os.path.expanduser(cfg.cache_dir)).resolve()
     final = root / key
     meta = _read_meta(final)
@@ -292,7 +294,7 @@ def prepare_dataset(cfg: DataConfig) -> PreparedData:
     work = root / f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     work.mkdir()
     try:
-        documents = _load_tokenized(src) if src.format == "tokenized" else _tokenize(cfg, src, work, key)
+        documents = _load_tokenized(src) if tokenizer is None else _tokenize(cfg, src, work, key, tokenizer)
         lengths = pc.fill_null(pc.list_value_length(documents.with_format("arrow")[:]["input_ids"]), 0)
         doc_offsets = np.zeros(len(documents) + 1, dtype=np.int64)
         np.cumsum(lengths.to_numpy(), out=doc_offsets[1:])

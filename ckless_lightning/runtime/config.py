@@ -493,7 +493,7 @@ class JobConfig:
             )
         if self.model is None or not self.datamodule.builtin:
             return  # a user's module or data: their own sizes
-        if self.model.vocab_size < 256 and self.data.format != "tokenized":
+        if self.model.vocab_size < 256 and self.data.format != "tokenized" and self.data.tokenizer is None:
             raise ValueError(
                 f"model.vocab_size={self.model.vocab_size} is smaller than the byte tokenizer's 256; "
                 "raise model.vocab_size or give pre-tokenized data (data.format=tokenized)"
