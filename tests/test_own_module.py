@@ -58,19 +58,37 @@ def _assert_same_run(faulted: Path, clean: Path, scratch: Path) -> None:
     assert assert_bitwise_equal(a, b) > 0
 
 
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """The fault-free run of a configuration, once per module (the tier changes no bit of it)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def get(*extra: str) -> Path:
+        if extra not in runs:
+            runs[extra] = tmp_path_factory.mktemp("clean") / "run"
+            _launch(runs[extra], "tier=4", "fault=none", *extra)
+        return runs[extra]
+
+    return get
+
+
 @pytest.mark.parametrize(
-    ("tier", "extra"),
+    ("tier", "fault", "extra"),
     [
-        ("4", ()),  # buddy copies; survivors adopt their live state, the killed rank's comes from its buddy
-        ("3", ("trainer.global_batch_size=64",)),  # the disk checkpoint of step 5; 2 micro-batches a step
+        # buddy copies: survivors adopt their live state, the killed rank's comes from its buddy
+        ("4", ("fault=kill", "fault.rank=1", "fault.step=7"), ()),
+        # the disk checkpoint of step 5 (the loader's position in it); 2 micro-batches a step
+        ("3", ("fault=kill", "fault.rank=1", "fault.step=7"), ("trainer.global_batch_size=64",)),
+        # before the first checkpoint: the same processes start over, and build the same weights
+        ("3", ("fault=exception", "fault.rank=2", "fault.step=3"), ()),
     ],
+    ids=["tier4-kill", "tier3-kill-accumulate", "tier3-start-over"],
 )
-def test_own_module_recipe_recovers_a_killed_rank_bitwise(tmp_path, tier, extra):
-    clean = tmp_path / "clean"
-    _launch(clean, f"tier={tier}", "fault=none", *extra)
+def test_own_module_recipe_recovers_bitwise(tmp_path, clean_run, tier, fault, extra):
+    clean = clean_run(*extra)
     faulted = tmp_path / "faulted"
-    result = _launch(faulted, f"tier={tier}", "fault=kill", "fault.rank=1", "fault.step=7", *extra)
-    assert "SIGKILL@1" in result.stdout
+    result = _launch(faulted, f"tier={tier}", *fault, *extra)
+    assert f"@{fault[1][-1]}" in result.stdout  # the fault's row in the summary
     config = yaml.safe_load((faulted / "config.yaml").read_text())
     assert config["module"]["_target_"] == "own_module.MLPRegressor"
     assert config["datamodule"]["_target_"] == "own_module.RegressionData"
