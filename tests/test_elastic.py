@@ -17,6 +17,7 @@ final weights and optimizer state within ``STATE_ATOL``:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +123,51 @@ def test_a_standby_rank_leaves_when_the_job_ends_and_gives_up_when_it_stalls() -
         session.join()
     assert 1.5 <= time.monotonic() - start < 10
     assert "stood by" in (store.giveup_reason() or "")
+
+
+def test_a_barrier_shrinks_away_only_ranks_with_no_live_process() -> None:
+    """Rank 2 of a 3x1 job grew it back (generation 1 trains 0, 1, 2) and waits in the barrier while
+    ranks 0 and 1 still finish a step of generation 0 for longer than agent.replace_timeout (CI, a
+    loaded host: the job shrank to rank 2 alone). Their watches beat meanwhile: they are waited for.
+    A rank that does not beat (no process) is shrunk away."""
+    policy = ElasticPolicy(replicate=3, shard=1, replace_timeout_s=0.3, max_steps=20)
+    for silent in ((), (1,)):
+        store = JobStore.host("127.0.0.1", 0, secret=f"elastic-barrier-{len(silent)}")
+        store.generation()
+        assert store.advance_generation(0, world_size=3, restart=False) == 1
+        for rank in (0, 1):
+            store.set_member(rank, 0)
+        stop = threading.Event()
+
+        def leave_late(store=store, silent=silent, stop=stop) -> None:
+            ranks = [r for r in (0, 1) if r not in silent]
+            waiter = store.another_client()
+            end = time.monotonic() + (1.5 if not silent else 60)  # five replace_timeouts; or until stopped
+            while time.monotonic() < end and not stop.is_set():
+                for rank in ranks:
+                    waiter.beat_leaving(rank)
+                time.sleep(0.1)
+            if not silent:
+                for rank in ranks:
+                    waiter.set_member(rank, 1)
+                    waiter.join(1)
+
+        late = threading.Thread(target=leave_late)
+        late.start()
+        session = GenerationSession(
+            store, rank=2, world_size=3, generation=1, join_timeout_s=3, elastic=policy
+        )
+        try:
+            if not silent:
+                assert session.join() == 1 and session.active == (0, 1, 2)
+                assert store.generation() == 1
+            else:
+                with pytest.raises(JobGaveUp):  # rank 0 beats but never joins generation 2 here
+                    session.join()
+                assert store.generation() == 2 and store.active_ranks(2, 3) == (0, 2)
+        finally:
+            stop.set()
+            late.join()
 
 
 def _checkpoint(steps: int, micro: dict[str, int]) -> dict:

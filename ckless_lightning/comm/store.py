@@ -353,6 +353,15 @@ class JobStore:
         key = f"member/{rank}"
         return int(self._tcp.get(key)) if self._tcp.check([key]) else -1
 
+    def beat_leaving(self, rank: int) -> None:
+        """``rank``'s process is alive in a generation the job left (its watch beats while the rank
+        finishes a step or leaves the old groups, before it is a member of the new one)."""
+        self._tcp.add(f"leaving/{rank}", 1)
+
+    def leaving_beats(self, ranks: list[int]) -> dict[int, int]:
+        """How often each of ``ranks`` beat while leaving (:meth:`beat_leaving`); 0 if never."""
+        return {rank: self._tcp.add(f"leaving/{rank}", 0) for rank in ranks}
+
     def mark_started(self, gen: int, node: int) -> None:
         self._tcp.set(f"started/{gen}/{node}", "1")
 

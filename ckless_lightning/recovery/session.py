@@ -31,6 +31,24 @@ _BEAT_S = 1.0  # heartbeat refresh while waiting in the barrier
 _STANDBY_POLL_S = 0.05  # a standby rank's look at the job's generation and its replica
 
 
+class _SilentRanks:
+    """How long each rank behind a barrier has been silent: no member of the generation, and its
+    leaving beats unchanged (timed on this rank's clock, from the barrier's first look)."""
+
+    def __init__(self) -> None:
+        self._since: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
+
+    def for_at_least(self, beats: dict[int, int], seconds: float) -> set[int]:
+        """Record ``beats`` (the ranks behind now); the ones unchanged for ``seconds`` or more."""
+        now = time.monotonic()
+        for rank in set(self._since) - set(beats):
+            del self._since[rank]  # it joined
+        for rank, count in beats.items():
+            if rank not in self._since or self._since[rank][0] != count:
+                self._since[rank] = (count, now)
+        return {rank for rank, (_, since) in self._since.items() if now - since >= seconds}
+
+
 class JobGaveUp(RuntimeError):
     """The agents gave the job up (fault budget spent): stop, do not rejoin."""
 
@@ -126,6 +144,7 @@ class GenerationSession:
         next_beat = 0.0
         start = time.monotonic()
         deadline = start + self.join_timeout_s
+        silent = _SilentRanks()
         while joined < len(active):
             if time.monotonic() >= deadline:
                 self._give_up_joining(gen, joined, active)
@@ -135,8 +154,8 @@ class GenerationSession:
                 reason = self.store.giveup_reason()
                 if reason is not None:
                     raise JobGaveUp(reason)
-                if self.elastic is not None and time.monotonic() - start >= self.elastic.replace_timeout_s:
-                    self._shrink_if_lost(gen, active)
+                if self.elastic is not None:
+                    self._shrink_if_lost(gen, active, silent)
                 next_beat = now + _BEAT_S
             current = self.store.generation()
             if current != gen:
@@ -146,11 +165,14 @@ class GenerationSession:
             joined = self.store.joined(gen)
 
     # -- elastic -------------------------------------------------------------------------------------
-    def _shrink_if_lost(self, gen: int, active: tuple[int, ...]) -> None:
-        """``agent.replace_timeout`` passed in ``gen``'s barrier: if some ranks of the set have no
-        process in it (nothing replaced them), move the job on without their replicas."""
+    def _shrink_if_lost(self, gen: int, active: tuple[int, ...], silent: _SilentRanks) -> None:
+        """In ``gen``'s barrier: if some ranks of the set have had no process in it for
+        ``agent.replace_timeout`` (nothing replaced them), move the job on without their replicas.
+        A rank whose process still leaves an older generation beats while it does
+        (:meth:`JobStore.beat_leaving`): on its way, seconds late on a loaded host, not lost."""
         assert self.elastic is not None
-        missing = {r for r in active if self.store.member(r) < gen}
+        behind = [r for r in active if self.store.member(r) < gen]
+        missing = silent.for_at_least(self.store.leaving_beats(behind), self.elastic.replace_timeout_s)
         if not missing:
             return
         kept = self.elastic.without(active, missing)

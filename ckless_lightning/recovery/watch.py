@@ -28,6 +28,11 @@ the cut the watch keeps an eye on where the main thread is
 process and ``on_left_behind`` ends it, for its agent to replace like a dead rank
 (its state is covered like a dead rank's: a replica, a buddy's copy, the disk). A
 rank computing (a long step) is left to meet its next collective, which fails.
+
+From the move until the rank starts leaving, the watch beats in the store
+(:meth:`~ckless_lightning.comm.JobStore.beat_leaving`, every 0.25 s): an elastic join
+barrier of the next generation waits for a rank that beats (alive, still finishing
+a step) and shrinks the job only without ranks that stopped beating (no process).
 """
 
 from __future__ import annotations
@@ -103,23 +108,42 @@ class GenerationWatch:
         except RuntimeError as err:  # the store is gone: the main thread finds out on its own
             print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
             return
-        if self._stop.is_set() or self._stop.wait(self.grace_s):
+        if self._stop.is_set() or self._stopped_within(self.grace_s):
             return
         self.fired = True
         self.on_stuck()
-        if self.on_left_behind is not None and self._blocked_on_peers():
+        if self._blocked_on_peers() and self.on_left_behind is not None:
             self.on_left_behind()
+
+    def _beat(self) -> None:
+        """Until the rank leaves: its process lives (an elastic barrier of the next generation tells a
+        rank on its way, seconds late on a loaded host, from one with no process)."""
+        try:
+            self.waiter.beat_leaving(self.rank)
+        except RuntimeError as err:  # the store is gone: the main thread finds out on its own
+            print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
+
+    def _stopped_within(self, seconds: float) -> bool:
+        """Beat every ``_SAMPLE_S`` for ``seconds``; True as soon as the rank starts leaving."""
+        end = time.monotonic() + seconds
+        self._beat()
+        while (left := end - time.monotonic()) > 0:
+            if self._stop.wait(min(_SAMPLE_S, left)):
+                return True
+            self._beat()
+        return False
 
     def _sample(self) -> str:
         """Where the main thread is now (:func:`where_is`)."""
         return where_is(sys._current_frames().get(self._main))  # type: ignore[arg-type]
 
     def _blocked_on_peers(self) -> bool:
-        """After the cut: True once the main thread has waited on peers ``exit_after_s`` in a row,
-        False as soon as the rank starts leaving (``stop``)."""
+        """After the cut, beating: True once the main thread has waited on peers ``exit_after_s`` in a
+        row (only with ``on_left_behind``), False as soon as the rank starts leaving (``stop``)."""
         since = time.monotonic()
         while not self._stop.wait(_SAMPLE_S):
-            if self._sample() != "peers":
+            self._beat()
+            if self.on_left_behind is None or self._sample() != "peers":
                 since = time.monotonic()
             elif time.monotonic() - since >= self.exit_after_s:
                 return True
