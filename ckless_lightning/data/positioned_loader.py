@@ -28,6 +28,7 @@ to a fit's train loader:
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -91,11 +92,9 @@ def positioned_loader(loader: object, *, rank: int, world_size: int, seed: int) 
     """``loader`` ready to be saved and restored at the committed step, reading data-parallel rank
     ``rank``'s part of ``world_size`` (see the module docstring); raises TypeError for a loader with
     no position. ``seed``: the job's, which orders a shuffled dataset (with the epoch)."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
     if isinstance(loader, CommittedPositionLoader):
         return loader
-    if type(loader) is DataLoader or isinstance(loader, StatefulDataLoader):
+    if type(loader) is DataLoader or _is_stateful_dataloader(loader):
         return CommittedPositionLoader(_rebuilt(loader, rank=rank, world_size=world_size, seed=seed))
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         return loader  # keeps its own position (the built-in loaders)
@@ -106,6 +105,13 @@ def positioned_loader(loader: object, *, rank: int, world_size: int, seed: int) 
         "(from torchdata.stateful_dataloader import StatefulDataLoader) from train_dataloader(), or a "
         "loader with state_dict()/load_state_dict() that saves the position of the last trained batch"
     )
+
+
+def _is_stateful_dataloader(loader: object) -> bool:
+    """Whether ``loader`` is torchdata's ``StatefulDataLoader``, without importing torchdata where no
+    loader can be one (the built-in loaders: a spare-born rank imports nothing after its hand-over)."""
+    module = sys.modules.get("torchdata.stateful_dataloader")
+    return module is not None and isinstance(loader, module.StatefulDataLoader)
 
 
 def _rebuilt(loader: DataLoader, *, rank: int, world_size: int, seed: int) -> Any:

@@ -57,6 +57,7 @@ RANK_PATH_MODULES: tuple[str, ...] = (
     "encodings.latin_1",  # torch.load of a loop state holding bytes (pickle protocol 2 spells them so)
     "faulthandler",
     "multiprocessing.synchronize",
+    "torchdata.stateful_dataloader",  # a user's train loader (data.positioned_loader), if installed
     "torch.distributed._tensor",
     "torch.distributed.checkpoint",  # and its imports: torch.distributed.elastic, ...
     "torch.distributed.checkpoint._fsspec_filesystem",
