@@ -306,6 +306,11 @@ def test_node0_lost_with_a_standalone_store_is_a_node_loss(tmp_path, data_cache,
     assert len(node0_starts) == 2 and node0_starts[0] < node0_starts[1]  # the lost agent's, the new one's
     assert len(events_of(run, "job_start")) == 1  # the replacement joined the job, it did not start one
     assert not job_processes(run)
+    # A store serves one job: a second job under the same secret would read this one's keys.
+    second = start_node(tmp_path / "second", data_cache, 0, 0, *overrides[-2:])
+    code, out = finish(second)
+    assert code == 2, out[-3000:]
+    assert "served a job under this secret that ended (exit 0" in out
 
 
 def test_failure_report_shows_the_last_traceback_not_warnings():

@@ -199,3 +199,25 @@ def test_standalone_store_prints_its_address_and_writes_a_0600_secret(tmp_path):
         assert proc.wait(timeout=20) == 0
     finally:
         proc.kill()
+
+
+def test_a_store_whose_job_ended_serves_no_second_job():
+    """The trap of a store started by hand and reused: a second job under the same secret would read
+    the first one's rendezvous keys (its generation, its votes)."""
+    from ckless_lightning.recovery import InProcessRecovery
+
+    store = JobStore.host("127.0.0.1", 0, secret="one-job")
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "CKLESS_STORE_ADDR": "127.0.0.1",
+        "CKLESS_STORE_PORT": str(store.port),
+        "CKLESS_JOB_SECRET": "one-job",
+    }
+    assert InProcessRecovery.from_env(env).rank == 0  # a fresh store: joins
+    store.mark_rank_finished(1)
+    with pytest.raises(ValueError, match="served a job under this secret that finished"):
+        InProcessRecovery.from_env(env)
+    assert store.job_ended() is None
+    store.mark_job_ended(0, "/runs/first")
+    assert store.job_ended() == "0 /runs/first"

@@ -167,6 +167,18 @@ class NodeAgent:
         except StoreRefused as err:
             print(f"config error: {err}", file=sys.stderr)
             return ExitCode.CONFIG
+        ended = self.store.job_ended()
+        if ended is not None:
+            code, _, run_dir = ended.partition(" ")
+            print(
+                f"config error: the job store at {host}:{port} served a job under this secret that ended "
+                f"(exit {code}, run dir {run_dir}): a store serves one job, so that no job reads another's "
+                "keys; start a new store (python -m ckless_lightning.store) or give this job its own "
+                "CKLESS_JOB_SECRET",
+                file=sys.stderr,
+            )
+            self.store = None
+            return ExitCode.CONFIG
         self.store_port = self.store.port
         self.store.set_node_owner(self.node, self.agent_id)
         if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
@@ -194,6 +206,7 @@ class NodeAgent:
         finally:
             if self.node == 0:
                 self.events.emit("job_end", exit_code=code)
+                self._mark_ended(code)
             self.stop_ranks(graceful=False)
             self.spares.close()
             if self.fork_server is not None:
@@ -201,6 +214,17 @@ class NodeAgent:
             self.batch_cache.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
+
+    def _mark_ended(self, code: int) -> None:
+        """Node 0's agent, still its owner, records the job's end in the store (a standalone store
+        then refuses a second job under the same secret, which would read this job's keys)."""
+        if self.store is None or self.cluster.store is None:
+            return  # a store this agent hosts closes with it
+        try:
+            if self.store.node_owner(0) == self.agent_id:
+                self.store.mark_job_ended(code, str(self.run_dir))
+        except (DistNetworkError, RuntimeError) as err:  # the store is gone: nothing to protect
+            print(f"[agent0] could not record the job's end in the store ({err})", file=sys.stderr)
 
     def _store_lost(self, host: str, port: int, err: BaseException) -> int:
         """The job store stopped answering: nothing can be coordinated any more; requeue."""

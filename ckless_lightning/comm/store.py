@@ -52,6 +52,8 @@ key                                value                                        
 ``timeline``                       tier 4: the generation that last resumed from disk or the   rank
                                    job's start (fingerprints before it are of another timeline)
 ``finished``, ``finished/<rank>``  tiers 3-4: ranks past their last collective (count, each)   rank
+``ended``                          ``<exit code> <run dir>``: the job ended; no job starts on   agent 0
+                                   this store under the same secret again
 ``gen<g>/pg/...``                  tier 1+: generation ``g``'s process groups (PrefixStore)    torch
 =================================  ==========================================================  ============
 """
@@ -488,6 +490,14 @@ class JobStore:
 
     def rank_finished(self, rank: int) -> bool:
         return self._tcp.check([f"finished/{rank}"])
+
+    def mark_job_ended(self, code: int, run_dir: str) -> None:
+        """The job ended with exit ``code`` (node 0's agent, as it exits): a store serves one job."""
+        self._tcp.set("ended", f"{code} {run_dir}")
+
+    def job_ended(self) -> str | None:
+        """``"<exit code> <run dir>"`` of the job this store served under this secret, once it ended."""
+        return self._tcp.get("ended").decode() if self._tcp.check(["ended"]) else None
 
     def ranks_finished(self) -> int:
         """How many ranks passed their last collective: once one has, the job's output is complete."""

@@ -189,6 +189,12 @@ class InProcessRecovery:
                 "or set CKLESS_STORE_ADDR / CKLESS_STORE_PORT to a running agent's store"
             )
         store = JobStore.connect(context.store_addr, context.store_port, secret=context.store_secret)  # type: ignore[arg-type]
+        if context.generation == 0 and (store.job_ended() is not None or store.ranks_finished() > 0):
+            raise ValueError(
+                f"the job store at {context.store_addr}:{context.store_port} served a job under this "
+                "secret that finished: a store serves one job, so that no job reads another's keys; "
+                "start a new store or secret per job (python -m ckless_lightning.run does both)"
+            )
         generation = Generation(
             store,
             number=context.generation,
