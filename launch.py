@@ -7,20 +7,20 @@ config; ``dry_run=true`` prints the model size and per-rank memory plan.
 """
 
 import os
-import re
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from ckless_lightning.run import quote_tier
+
 # The one environment variable of the project: where recipes/ is (conf/config.yaml's search path).
 os.environ.setdefault("CKLESS_PROJECT_ROOT", str(Path(__file__).resolve().parent))
 
-# Hydra parses `tier=3` as an int, and a config-group choice must be a string
-# (Hydra 1.3: "Config group override must be a string or a list. Got int").
-# Quote it here so that users can write tier=3 as the docs say.
-sys.argv[1:] = [re.sub(r"^(tier)=(\d+)$", r"\1='\2'", arg) for arg in sys.argv[1:]]
+# Hydra parses `tier=3` as an int, and a config-group choice must be a string: quoted here so
+# that users can write tier=3 as the docs say.
+sys.argv[1:] = [quote_tier(arg) for arg in sys.argv[1:]]
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

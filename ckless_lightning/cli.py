@@ -157,7 +157,8 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, 
         # The built-in pipeline is prepared (tokenized, packed) here, once; a user's DataModule
         # prepares its own data in its hooks, in the ranks.
         _check_tokenizer(job)
-        prepared = prepare_dataset(job.data) if job.datamodule.builtin else None
+        builtin_data = job.datamodule.builtin and job.script is None
+        prepared = prepare_dataset(job.data) if builtin_data else None
         global_batch = job.data.micro_batch_size * job.cluster.world_size
         if prepared is not None and prepared.num_samples < global_batch:
             raise ValueError(
@@ -182,6 +183,8 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, 
     print(plan.format())
     if prepared is not None:
         print(f"data: {prepared.num_samples:,} sequences ({prepared.num_tokens:,} tokens) in {prepared.path}")
+    elif job.script is not None:
+        print(f"script: {shlex.join(job.script)} (runs as each rank; its own data, no batch cache)")
     else:
         print(f"data: {job.datamodule.target} (your DataModule; no batch cache)")
     print(f"resuming from {resume}" if resume else "starting from step 0")

@@ -19,23 +19,26 @@ ENTRY_POINTS = {
     f"{PACKAGE}.rank",
     f"{PACKAGE}.spare",
     f"{PACKAGE}.forkserver",
-    f"{PACKAGE}.cli",
+    f"{PACKAGE}.run",
     f"{PACKAGE}.report",
     f"{PACKAGE}.store",
     f"{PACKAGE}.data.cache_reader",
 }
-# Floors, top down: entry points (4) use the job runners (3: the rank's job, the in-process loop, the
-# agent), which use the Lightning and recovery pieces (2), which use the leaves (1). Longest prefix wins.
+# Floors, top down: entry points (4) use the job runners (3: the launcher's core ``cli``, which
+# launch.py and the runner share; the rank's job; a script's rank; the in-process loop; the agent),
+# which use the Lightning and recovery pieces (2), which use the leaves (1). Longest prefix wins.
 FLOORS = {
     f"{PACKAGE}.rank": 4,
     f"{PACKAGE}.spare": 4,
     f"{PACKAGE}.forkserver": 4,
-    f"{PACKAGE}.cli": 4,
+    f"{PACKAGE}.run": 4,
+    f"{PACKAGE}.cli": 3,
     f"{PACKAGE}.report": 4,
     f"{PACKAGE}.store": 4,
     f"{PACKAGE}.data.cache_reader": 4,
     f"{PACKAGE}.training.job": 3,
     f"{PACKAGE}.training.rank_process": 3,
+    f"{PACKAGE}.training.script_rank": 3,
     f"{PACKAGE}.recovery": 3,
     f"{PACKAGE}.recovery.loop": 3,
     f"{PACKAGE}.agent": 3,
@@ -174,6 +177,7 @@ def test_the_root_holds_only_entry_points() -> None:
         "forkserver.py",
         "rank.py",
         "report.py",
+        "run.py",
         "spare.py",
         "store.py",
     ], loose

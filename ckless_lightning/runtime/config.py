@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ckless_lightning.data.config import DataConfig
@@ -404,6 +405,9 @@ class JobConfig:
     datamodule: ComponentConfig = field(
         default_factory=lambda: ComponentConfig("datamodule", BUILTIN_DATAMODULE)
     )
+    # ``python -m ckless_lightning.run``: the user's script (an absolute path) and its arguments, run
+    # as each rank instead of the module and DataModule above; None: a recipe's job.
+    script: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._check_components()
@@ -418,7 +422,7 @@ class JobConfig:
                 f"tier={self.tier} is not available yet (available: {', '.join(map(str, AVAILABLE_TIERS))}); "
                 "tier 4 (checkpointless) comes with its issue"
             )
-        if self.tier >= 2 and self.datamodule.builtin and not self.data.mmap_cache:
+        if self.tier >= 2 and self.datamodule.builtin and self.script is None and not self.data.mmap_cache:
             raise ValueError(f"tier={self.tier} includes the batch cache: data.mmap_cache must stay true")
         if self.tier >= 3 and not self.comm.rootless:
             raise ValueError(
@@ -485,13 +489,13 @@ class JobConfig:
             max_steps=self.trainer.max_steps,
         )
         per_step = self.data.micro_batch_size * self.cluster.world_size
-        if self.trainer.global_batch_size % per_step:
+        if self.script is None and self.trainer.global_batch_size % per_step:
             raise ValueError(
                 f"trainer.global_batch_size={self.trainer.global_batch_size} is not a multiple of "
                 f"data.micro_batch_size={self.data.micro_batch_size} x world size {self.cluster.world_size}; "
                 f"use a multiple of {per_step}"
             )
-        if self.model is None or not self.datamodule.builtin:
+        if self.model is None or not self.datamodule.builtin or self.script is not None:
             return  # a user's module or data: their own sizes
         if self.model.vocab_size < 256 and self.data.format != "tokenized" and self.data.tokenizer is None:
             raise ValueError(
@@ -506,24 +510,50 @@ class JobConfig:
 
     def _check_components(self) -> None:
         """The built-in module needs ``model``; a user's DataModule reads its own data, so the batch
-        cache (tier 2's ``data.mmap_cache``, built for the built-in pipeline) is off for it."""
+        cache (tier 2's ``data.mmap_cache``, built for the built-in pipeline) is off for it. A
+        script builds its own module and data: ``module``/``datamodule`` must stay the defaults."""
+        if self.script is not None:
+            self._check_script()
+            return
         if self.module.builtin and self.model is None:
             raise ValueError(
                 f"model is missing: {BUILTIN_MODULE} (module._target_) trains a model a recipe "
                 "configures; pick a recipe (recipe=llama3_tiny) or name your own LightningModule "
                 "in module._target_"
             )
-        if self.datamodule.builtin:
-            return
+        if not self.datamodule.builtin:
+            self._without_builtin_data(
+                f" ({BUILTIN_DATAMODULE}); datamodule._target_={self.datamodule.target} is your own: "
+                "set {key}=false"
+            )
+
+    def _check_script(self) -> None:
+        assert self.script is not None
+        if not self.script or not Path(self.script[0]).is_file():
+            raise ValueError(
+                f"script={self.script[:1]} is not a file: give python -m ckless_lightning.run the path of "
+                "your training script (train.py) after its options"
+            )
+        for component in (self.module, self.datamodule):
+            if not component.builtin:
+                raise ValueError(
+                    f"{component.key}._target_={component.target} and a script exclude each other: the "
+                    f"script builds its own; drop {component.key} or run the recipe with launch.py"
+                )
+        self._without_builtin_data(
+            ", which a script does not use: set {key}=false (or name your classes in a recipe's "
+            "module:/datamodule: and use launch.py)"
+        )
+
+    def _without_builtin_data(self, fix: str) -> None:
+        """The user's own data: the options of the built-in pipeline are refused (``fix``, with
+        ``{key}``, says what to do), and its batch cache is off."""
         for key, value in (
             ("data.record_samples", self.data.record_samples),
             ("elastic.enabled", self.elastic.enabled),
         ):
             if value:
-                raise ValueError(
-                    f"{key}=true needs the built-in data pipeline ({BUILTIN_DATAMODULE}); "
-                    f"datamodule._target_={self.datamodule.target} is your own: set {key}=false"
-                )
+                raise ValueError(f"{key}=true needs the built-in data pipeline" + fix.format(key=key))
         if self.data.mmap_cache:
             self.data = dataclasses.replace(self.data, mmap_cache=False)
 
@@ -647,6 +677,15 @@ def _instantiate_model(values: dict[str, Any]) -> Any:
     return build_section(cls, values, "model")
 
 
+def load_job_config(path: str | Path) -> JobConfig:
+    """The resolved YAML that launch.py (or the runner) wrote into the run directory, validated."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    assert isinstance(container, dict)
+    return job_config_from_dict(container)  # type: ignore[arg-type]
+
+
 def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
     """Validate a resolved config (``OmegaConf.to_container(cfg, resolve=True)``) into a JobConfig."""
     from ckless_lightning.models import FSDPConfig
@@ -674,6 +713,7 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         "k8s",
         "module",
         "datamodule",
+        "script",
     }
     unknown = sorted(set(cfg) - known_top)
     if unknown:
@@ -704,4 +744,16 @@ def job_config_from_dict(cfg: dict[str, Any]) -> JobConfig:
         k8s=build_section(K8sConfig, cfg.get("k8s"), "k8s"),
         module=ComponentConfig.from_mapping("module", cfg.get("module"), BUILTIN_MODULE),
         datamodule=ComponentConfig.from_mapping("datamodule", cfg.get("datamodule"), BUILTIN_DATAMODULE),
+        script=_script(cfg.get("script")),
     )
+
+
+def _script(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not all(isinstance(arg, str) for arg in value):
+        raise ValueError(
+            f"script must be a list of strings (the script's path and its arguments), got {value!r}; "
+            "python -m ckless_lightning.run sets it"
+        )
+    return list(value)

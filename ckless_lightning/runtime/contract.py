@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "ENV_BATCH_CACHE",
     "ENV_GENERATION",
+    "ENV_JOB_CONFIG",
     "ENV_JOB_SECRET",
     "ENV_JOB_SECRET_FILE",
     "ENV_LAUNCHER_PID",
@@ -56,6 +57,8 @@ ENV_LAUNCHER_PID = "CKLESS_LAUNCHER_PID"  # the agent's pid: die with it
 # The job's store secret (ckless_lightning.comm.secret): the value, or a 0600 file holding it.
 ENV_JOB_SECRET = "CKLESS_JOB_SECRET"
 ENV_JOB_SECRET_FILE = "CKLESS_JOB_SECRET_FILE"
+# A script's rank (python -m ckless_lightning.run): the job's resolved config, read by ckless_lightning.fit.
+ENV_JOB_CONFIG = "CKLESS_JOB_CONFIG"
 # Under torchrun, its restart count numbers restarts like our generations.
 _TORCHRUN_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -144,7 +145,12 @@ def plan_job(job: JobConfig) -> MemoryPlan:
 
     _, shard = job.cluster.mesh_shape
     unknowns: tuple[str, ...] = ()
-    if job.module.builtin:
+    if job.script is not None:
+        model = torch.nn.Module()
+        dims: dict[str, int] = {}
+        init_draws, init_ns = 0, 0.0
+        unknowns = (f"the model: {job.script[0]} builds it (sizes, optimizer, init time are the script's)",)
+    elif job.module.builtin:
         with torch.device("meta"):
             model = build_model(job.model)
         dims = fsdp_shard_dims(model, shard)
@@ -166,7 +172,7 @@ def plan_job(job: JobConfig) -> MemoryPlan:
     loop = int(job.replication.loop_capacity_mb * (1 << 20))
     return MemoryPlan(
         recipe=job.recipe,
-        model=type(model).__name__ if job.module.builtin else job.module.target,
+        model=_model_name(job, model),
         num_params=num_params,
         world_size=job.cluster.world_size,
         mesh=job.cluster.mesh_shape,
@@ -184,6 +190,12 @@ def plan_job(job: JobConfig) -> MemoryPlan:
         recovery_peak_bytes=2 * min(int(job.replication.bucket_mb * (1 << 20)), copied) if replication else 0,
         unknowns=unknowns,
     )
+
+
+def _model_name(job: JobConfig, model: torch.nn.Module) -> str:
+    if job.script is not None:
+        return Path(job.script[0]).name
+    return type(model).__name__ if job.module.builtin else job.module.target
 
 
 def _user_module_on_meta(job: JobConfig) -> tuple[torch.nn.Module, tuple[str, ...]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -55,6 +55,7 @@ from ckless_lightning.training.quiet import quiet_known_noise
 from ckless_lightning.training.strategy import CheckpointlessStrategy
 
 __all__ = [
+    "ScriptParts",
     "build_datamodule",
     "build_elastic_policy",
     "build_logger",
@@ -82,6 +83,7 @@ def build_trainer(
     strategy: CheckpointlessStrategy | None = None,
     rank: int = 0,
     generation: int = 0,
+    user: Mapping[str, Any] | None = None,
 ) -> pl.Trainer:
     """A Trainer for ``job`` on this rank: our strategy, the job's logger, DCP checkpoints.
 
@@ -89,6 +91,9 @@ def build_trainer(
     rank 0 only; building them there alone keeps the other ranks off the tracking store, which
     MLflow's client opens in its constructor). ``generation``: the job generation this Trainer
     trains in; after a recovery (``> 0``) rank 0 logs what it cost (``RecoveryMetricsCallback``).
+    ``user``: a script's Trainer keyword arguments (:func:`~ckless_lightning.training.script_rank.fit`):
+    they replace the recipe's ``trainer.*`` (Lightning's defaults where they say nothing); their
+    ``callbacks`` come after ours, a ``logger`` of theirs replaces the job's.
     A strategy of an elastic generation that trains part of the job (``strategy.generation.active``)
     sets the Trainer's world: its ranks, its accumulation (the same global batch on fewer ranks).
     """
@@ -128,34 +133,49 @@ def build_trainer(
     if rank == 0 and generation > 0:  # after LossHistoryCallback: losses.jsonl has the step
         all_callbacks.append(RecoveryMetricsCallback(run_dir, generation=generation, world_size=world_size))
     trainer_cfg = job.trainer
-    if trainer_cfg.enable_progress_bar:
-        all_callbacks.append(StepProgressBar())
+    if user is not None:
+        user = dict(user)
+        all_callbacks.extend(_as_list(user.pop("callbacks", None)))
+        settings: dict[str, Any] = {"default_root_dir": run_dir, **user}
+    else:
+        if trainer_cfg.enable_progress_bar:
+            all_callbacks.append(StepProgressBar())
+        settings = dict(
+            precision=trainer_cfg.precision,
+            max_steps=trainer_cfg.max_steps,
+            accumulate_grad_batches=job.accumulate_at(world_size),
+            gradient_clip_val=trainer_cfg.gradient_clip_val,
+            gradient_clip_algorithm="norm",
+            log_every_n_steps=trainer_cfg.log_every_n_steps,
+            enable_progress_bar=trainer_cfg.enable_progress_bar,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=run_dir,
+        )
+    if "logger" not in settings:
+        settings["logger"] = build_logger(job) if rank == 0 else False
+    # Checkpoints are ours (checkpoint.*): without this, checkpoint.every_n_steps=0 would get
+    # Lightning's default ModelCheckpoint, a full checkpoint at the end of each epoch (1.3 GB at 100M).
+    settings.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in all_callbacks))
     return pl.Trainer(
         accelerator=resolve_accelerator(job.cluster.accelerator),
         devices=job.cluster.nproc_per_node,
         num_nodes=job.cluster.nnodes,
         strategy=strategy or CheckpointlessStrategy(replicate=job.cluster.replicate, shard=job.cluster.shard),
         plugins=[environment],
-        precision=trainer_cfg.precision,
-        max_steps=trainer_cfg.max_steps,
-        accumulate_grad_batches=job.accumulate_at(world_size),
-        gradient_clip_val=trainer_cfg.gradient_clip_val,
-        gradient_clip_algorithm="norm",
-        log_every_n_steps=trainer_cfg.log_every_n_steps,
-        enable_progress_bar=trainer_cfg.enable_progress_bar,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         # The built-in loader shards the data itself; a user's loader is sharded by the strategy
         # (CheckpointlessStrategy.process_dataloader), with an order that survives a recovery.
         use_distributed_sampler=False,
-        # Checkpoints are ours (checkpoint.*): without this, checkpoint.every_n_steps=0 would get
-        # Lightning's default ModelCheckpoint, a full checkpoint at the end of each epoch (1.3 GB at 100M).
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in all_callbacks),
-        default_root_dir=run_dir,
-        logger=build_logger(job) if rank == 0 else False,
         callbacks=all_callbacks,
+        **settings,
     )
+
+
+def _as_list(callbacks: Any) -> list[pl.Callback]:
+    if callbacks is None:
+        return []
+    return [callbacks] if isinstance(callbacks, pl.Callback) else list(callbacks)
 
 
 def build_module(job: JobConfig) -> pl.LightningModule:
@@ -215,9 +235,23 @@ class _RankRun:
     job: JobConfig
     context: RankContext
     events: EventLog
-    ckpt_path: Path | None  # where generation 0 starts (checkpoint.resume)
-    datamodule: pl.LightningDataModule
+    ckpt_path: Path | str | None  # where generation 0 starts (checkpoint.resume)
+    datamodule: pl.LightningDataModule | None
     specs: list[FaultSpec]
+    make_module: Callable[[], pl.LightningModule]  # one per generation
+    trainer_kwargs: Mapping[str, Any] | None = None  # a script's (build_trainer's ``user``)
+
+    def trainer(
+        self, callbacks: list[pl.Callback], strategy: CheckpointlessStrategy, generation: int
+    ) -> pl.Trainer:
+        return build_trainer(
+            self.job,
+            callbacks=callbacks,
+            strategy=strategy,
+            rank=self.context.rank,
+            generation=generation,
+            user=self.trainer_kwargs,
+        )
 
     def phase(self, name: str, **fields: object) -> None:
         """A ``rank_phase`` event of this rank in the generation it started in."""
@@ -244,12 +278,24 @@ class _RankRun:
         )
 
 
-def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer | None:
+@dataclass(frozen=True)
+class ScriptParts:
+    """What a user's script hands :func:`train_rank` instead of the recipe's module and DataModule."""
+
+    make_module: Callable[[], pl.LightningModule]  # a new module per generation
+    datamodule: pl.LightningDataModule | None
+    trainer_kwargs: Mapping[str, Any]  # pl.Trainer's keyword arguments but the reserved ones
+    ckpt_path: str | Path | None = None  # where generation 0 starts; None: checkpoint.resume
+    seed: bool = True  # seed as the job says (``seed``); False: the script seeded itself
+
+
+def train_rank(job: JobConfig, context: RankContext, script: ScriptParts | None = None) -> pl.Trainer | None:
     """Train ``job`` on this rank, resuming per ``checkpoint.resume``; save the final step if asked.
     Returns the Trainer that finished (None: an elastic job's rank that stood by at the end).
 
     ``context`` is what the agent told this process (heartbeats, generation, job
-    store); under torchrun (no store) the rank runs on Lightning's own init.
+    store); under torchrun (no store) the rank runs on Lightning's own init. ``script``: a user's
+    script's module, data and Trainer settings (``python -m ckless_lightning.run``).
     """
     quiet_known_noise(job.checkpoint.dir)
     events = EventLog(Path(job.run_dir) / "events.jsonl", source=f"rank{context.rank}")
@@ -269,15 +315,30 @@ def train_rank(job: JobConfig, context: RankContext) -> pl.Trainer | None:
     gc.freeze()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.cluster.nproc_per_node))
-    pl.seed_everything(job.seed, workers=True, verbose=False)
-    run = _RankRun(
-        job,
-        context,
-        events,
-        resolve_resume(job.checkpoint.resume, job.checkpoint.dir),
-        build_datamodule(job, context.batch_cache),
-        job.fault_specs(),
-    )
+    if script is None or script.seed:
+        pl.seed_everything(job.seed, workers=True, verbose=False)
+    resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
+    if script is None:
+        run = _RankRun(
+            job,
+            context,
+            events,
+            resume,
+            build_datamodule(job, context.batch_cache),
+            job.fault_specs(),
+            make_module=lambda: build_module(job),
+        )
+    else:
+        run = _RankRun(
+            job,
+            context,
+            events,
+            script.ckpt_path if script.ckpt_path is not None else resume,
+            script.datamodule,
+            job.fault_specs(),
+            make_module=script.make_module,
+            trainer_kwargs=script.trainer_kwargs,
+        )
     if job.tier >= 3:  # the final save runs inside the recovery: a fault during it is recovered
         trainer = _train_in_process(run, after_fit=lambda trainer: _save_final(job, trainer))
     else:
@@ -341,10 +402,8 @@ def _train_once(run: _RankRun) -> pl.Trainer:
         on_phase=lambda name, **fields: run.phase(name, step=None, **fields),
         weights_from_checkpoint=run.ckpt_path is not None,
     )
-    trainer = build_trainer(
-        job, callbacks=callbacks, strategy=strategy, rank=context.rank, generation=context.generation
-    )
-    trainer.fit(build_module(job), datamodule=run.datamodule, ckpt_path=run.ckpt_path)
+    trainer = run.trainer(callbacks, strategy, context.generation)
+    trainer.fit(run.make_module(), datamodule=run.datamodule, ckpt_path=run.ckpt_path)
     return trainer
 
 
@@ -381,14 +440,12 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         device_busy=_device_busy(job),
     )
     trainer = recovery.fit(
-        lambda strategy, callbacks: build_trainer(
-            job,
-            callbacks=[*callbacks, run.fault_callback(lambda: recovery.session.generation, snapshots)],
-            strategy=strategy,
-            rank=context.rank,
-            generation=recovery.session.generation,  # the generation just joined
+        lambda strategy, callbacks: run.trainer(
+            [*callbacks, run.fault_callback(lambda: recovery.session.generation, snapshots)],
+            strategy,
+            recovery.session.generation,  # the generation just joined
         ),
-        lambda: build_module(job),
+        run.make_module,
         datamodule=run.datamodule,
         ckpt_path=run.ckpt_path,
         after_fit=after_fit,

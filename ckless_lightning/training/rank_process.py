@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from omegaconf import OmegaConf
-
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.recovery.device_fault import exit_on_device_fault
-from ckless_lightning.runtime.config import JobConfig, job_config_from_dict
+from ckless_lightning.runtime.config import JobConfig, load_job_config
 from ckless_lightning.runtime.contract import ExitCode, RankContext, is_device_fault, is_peer_failure
 from ckless_lightning.training.job import train_rank
+from ckless_lightning.training.script_rank import run_script
 
 __all__ = [
     "Handover",
@@ -74,9 +73,7 @@ RANK_PATH_MODULES: tuple[str, ...] = (
 
 def load_job(config_path: str | Path) -> JobConfig:
     """The resolved YAML that launch.py wrote, parsed and validated."""
-    container = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
-    assert isinstance(container, dict)
-    return job_config_from_dict(container)
+    return load_job_config(config_path)
 
 
 @dataclass(frozen=True)
@@ -136,8 +133,8 @@ def warm_data(job: JobConfig) -> None:
 
         for target in user:
             import_object(target)  # launch.py imported it already: an error here is the rank's to report
-    if not job.datamodule.builtin:
-        return
+    if not job.datamodule.builtin or job.script is not None:
+        return  # the user's own data
     try:
         prepared = prepare_dataset(job.data)
         if not job.data.mmap_cache:
@@ -189,7 +186,10 @@ def run_rank_process(
     if handover is not None:
         _report_handover(job, context, handover)
     try:
-        train_rank(job, context)
+        if job.script is not None:
+            run_script(job, config_path)  # the script calls ckless_lightning.fit (train_rank)
+        else:
+            train_rank(job, context)
         if handover is not None:
             _report_late_imports(job, context, handover)
         if job.tier >= 3:

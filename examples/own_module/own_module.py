@@ -91,7 +91,7 @@ class MLPRegressor(pl.LightningModule):
 
 class RegressionData(pl.LightningDataModule):
     """``num_samples`` pairs (x, tanh(x W) + noise) from a fixed seed, the same on every rank;
-    Lightning gives each rank its part (its DistributedSampler)."""
+    the strategy gives each rank its part (a DistributedSampler it adds, seeded by the job)."""
 
     def __init__(
         self, num_samples: int = 8192, in_dim: int = 32, out_dim: int = 8, batch_size: int = 8, seed: int = 7
