@@ -168,6 +168,8 @@ SLOWEST_FILES = (
     "test_models_sharded.py",
     "test_slurm.py",
     "test_state_digest.py",
+    "test_own_module.py",
+    "test_runner.py",
     "test_elastic.py",
     "test_outside_faults.py",
     "test_faults.py",

@@ -77,12 +77,19 @@ def clean_run(tmp_path_factory):
     [
         # buddy copies: survivors adopt their live state, the killed rank's comes from its buddy
         ("4", ("fault=kill", "fault.rank=1", "fault.step=7"), ()),
-        # the disk checkpoint of step 5 (the loader's position in it); 2 micro-batches a step
-        ("3", ("fault=kill", "fault.rank=1", "fault.step=7"), ("trainer.global_batch_size=64",)),
+        # with dropout: each rank's RNG comes back with the state (from a buddy's copy)
+        ("4", ("fault=kill", "fault.rank=2", "fault.step=6"), ("module.dropout=0.2",)),
+        # the disk checkpoint of step 5 (the loader's position and every rank's RNG in it); 2
+        # micro-batches a step
+        (
+            "3",
+            ("fault=kill", "fault.rank=1", "fault.step=7"),
+            ("trainer.global_batch_size=64", "module.dropout=0.2"),
+        ),
         # before the first checkpoint: the same processes start over, and build the same weights
         ("3", ("fault=exception", "fault.rank=2", "fault.step=3"), ()),
     ],
-    ids=["tier4-kill", "tier3-kill-accumulate", "tier3-start-over"],
+    ids=["tier4-kill", "tier4-kill-dropout", "tier3-kill-accumulate-dropout", "tier3-start-over"],
 )
 def test_own_module_recipe_recovers_bitwise(tmp_path, clean_run, tier, fault, extra):
     clean = clean_run(*extra)

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -161,7 +162,9 @@ def _rebuilt(loader: DataLoader, *, rank: int, world_size: int, seed: int) -> An
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
+        # Its own generator: a loader without one draws its workers' base seed from torch's global
+        # RNG when it starts iterating, which after a resume would shift the module's random draws.
+        "generator": loader.generator or torch.Generator().manual_seed(seed * 1_000_003 + rank),
         "prefetch_factor": loader.prefetch_factor if loader.num_workers else None,
         "persistent_workers": loader.persistent_workers,
         "pin_memory_device": loader.pin_memory_device,

@@ -57,7 +57,7 @@ from ckless_lightning.replication import (
 )
 from ckless_lightning.replication.adopt import adopt_optimizer_state, adopt_parameters
 from ckless_lightning.replication.loop_state import decode_loop_state
-from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups, set_rng_state
+from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
 __all__ = ["MemoryRestore", "StartOver"]
@@ -130,7 +130,8 @@ class MemoryRestore:
         self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> dict[str, Any] | Path:
         """The checkpoint dict of the committed step (state already in ``module``/``optimizers``,
-        verified), or the disk checkpoint to load instead. Raises if neither exists."""
+        verified; its ``ckless_rng`` is this rank's RNG state, which the strategy sets when training
+        starts), or the disk checkpoint to load instead. Raises if neither exists."""
         snapshots = self.snapshots
         rank = dist.get_rank()
         if self.adopted:
@@ -167,7 +168,6 @@ class MemoryRestore:
                 self._record(plan.step, mine)
             checkpoint = decode_loop_state(payload)
             set_param_groups(optimizers, [s["param_groups"] for s in checkpoint["optimizer_states"]])
-            set_rng_state(checkpoint.pop("ckless_rng", None))
             snapshots.resumed_at(plan.step, payload)
             self._emit(
                 "memory_restore",

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from ckless_lightning.replication._torch_compat import init_optimizer_state
 
 __all__ = [
+    "RNG_KEY",
     "LiveParam",
     "LiveStateListing",
     "allocate_optimizer_state",
@@ -213,6 +214,10 @@ def set_param_groups(optimizers: Sequence[torch.optim.Optimizer], groups: list[l
     for optimizer, saved in zip(optimizers, groups, strict=True):
         for group, values in zip(optimizer.param_groups, saved, strict=True):
             group.update(values)
+
+
+# The key of a loop snapshot (tier 4) that holds the rank's rng_state().
+RNG_KEY = "ckless_rng"
 
 
 def rng_state() -> dict[str, Any]:

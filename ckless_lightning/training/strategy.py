@@ -27,6 +27,7 @@ restore path, ``load_checkpoint``). The strategy imports none of recovery.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -45,13 +46,20 @@ from typing_extensions import override
 from ckless_lightning.comm import Generation, init_generation_process_group
 from ckless_lightning.models import build_mesh, resolve_mesh
 from ckless_lightning.replication.adopt import allocate_buffers
-from ckless_lightning.replication.state import LiveStateListing, param_groups_of
+from ckless_lightning.replication.state import (
+    RNG_KEY,
+    LiveStateListing,
+    param_groups_of,
+    rng_state,
+    set_rng_state,
+)
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
 __all__ = ["MEMORY_CHECKPOINT", "CheckpointlessStrategy", "InMemoryState"]
 
 # ``fit(ckpt_path=MEMORY_CHECKPOINT)``: restore the committed step from memory (tier 4), not from a file.
 MEMORY_CHECKPOINT = "ckless-memory://committed-step"
+RNG_BY_RANK = "ckless_rng_by_rank"  # a disk checkpoint's key: every rank's RNG state, by rank
 
 
 class InMemoryState(Protocol):
@@ -129,6 +137,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._on_phase = on_phase or (lambda phase, **fields: None)
         self._weights_from_checkpoint = weights_from_checkpoint
         self._checkpoint_loaded = False
+        self._rng_to_restore: dict[str, Any] | None = None  # from the checkpoint, until training starts
         self._step_vote = step_vote
         self._vote_state = LiveStateListing()  # what the vote's state digest reads, listed once
         self._on_leave = on_leave
@@ -232,6 +241,11 @@ class CheckpointlessStrategy(ModelParallelStrategy):
                 "CheckpointlessStrategy(weights_from_checkpoint=True) but fit() loaded no checkpoint: the "
                 "weights were allocated, never initialized; pass ckpt_path to fit() or drop the flag"
             )
+        # The checkpoint's RNG state, now that the train loader is built: a loader's sampler may draw
+        # its seed from torch's RNG when built (torchdata's RandomSampler does), which in a run
+        # without the fault happened before the first step, not after the restore.
+        set_rng_state(self._rng_to_restore)
+        self._rng_to_restore = None
         super().on_train_start()
 
     @contextmanager
@@ -257,8 +271,27 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         return {"param_groups": param_groups_of([optimizer])[0]}
 
     @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Lightning's DCP checkpoint, holding every rank's RNG state (``ckless_rng_by_rank``, in the
+        metadata rank 0 writes): a module that draws random numbers while training (dropout)
+        resumes each rank's stream where it was. Collective: every rank calls it (as Lightning does)."""
+        checkpoint[RNG_BY_RANK] = self._rng_by_rank()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _rng_by_rank(self) -> list[dict[str, Any]]:
+        state = rng_state()
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return [state]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, state)
+        return gathered
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Tier 4's ``MEMORY_CHECKPOINT`` is served from memory; anything else is a DCP checkpoint."""
+        """Tier 4's ``MEMORY_CHECKPOINT`` is served from memory; anything else is a DCP checkpoint.
+        This rank's RNG state from either (see :meth:`save_checkpoint`) is set when training starts."""
         self._checkpoint_loaded = True
         if checkpoint_path == MEMORY_CHECKPOINT:
             if self._memory is None:
@@ -266,9 +299,21 @@ class CheckpointlessStrategy(ModelParallelStrategy):
             assert self.lightning_module is not None
             restored = self._memory.restore(self.lightning_module, list(self.optimizers))
             if isinstance(restored, dict):
+                self._rng_to_restore = restored.pop(RNG_KEY, None)
                 return restored
             checkpoint_path = restored  # no live copy of some state: the disk fallback
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        loaded = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        states = loaded.pop(RNG_BY_RANK, None)
+        if states is not None and len(states) == self.world_size:
+            self._rng_to_restore = states[self.global_rank]
+        elif states is not None:
+            print(
+                f"rank {self.global_rank}: {checkpoint_path} holds the RNG state of {len(states)} ranks, "
+                f"this generation trains {self.world_size}: random draws (dropout) go on from this "
+                "process's own RNG, not as in a run without the fault",
+                file=sys.stderr,
+            )
+        return loaded
 
     @override
     def optimizer_step(

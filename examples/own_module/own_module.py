@@ -34,12 +34,16 @@ __all__ = ["MLPRegressor", "RegressionData", "ResidualMLP"]
 class ResidualMLP(nn.Module):
     """``depth`` residual blocks of LayerNorm-Linear-GELU-Linear between an input and an output layer."""
 
-    def __init__(self, in_dim: int, hidden: int, out_dim: int, depth: int) -> None:
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, depth: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.inp = nn.Linear(in_dim, hidden)
         self.blocks = nn.ModuleList(
             nn.Sequential(
-                nn.LayerNorm(hidden), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden)
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, hidden),
+                nn.GELU(),
+                nn.Dropout(dropout),
+                nn.Linear(hidden, hidden),
             )
             for _ in range(depth)
         )
@@ -64,10 +68,11 @@ class MLPRegressor(pl.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.01,
         max_steps: int = 100,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = ResidualMLP(in_dim, hidden, out_dim, depth)
+        self.net = ResidualMLP(in_dim, hidden, out_dim, depth, dropout)
 
     def configure_model(self) -> None:
         if isinstance(self.net.inp.weight, DTensor) or self.device_mesh is None:

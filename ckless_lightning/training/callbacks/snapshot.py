@@ -31,6 +31,7 @@ from ckless_lightning.replication import SnapshotCopies
 from ckless_lightning.replication.fingerprint import StateFingerprint
 from ckless_lightning.replication.loop_state import encode_loop_state
 from ckless_lightning.replication.state import (
+    RNG_KEY,
     LiveParam,
     LiveStateListing,
     params_are_optimized,
@@ -105,7 +106,7 @@ class SnapshotCallback(pl.Callback):
             raise TypeError("SnapshotCallback needs CheckpointlessStrategy (its light_state())")
         with light():
             checkpoint = dump_training_state(trainer)
-        checkpoint["ckless_rng"] = rng_state()
+        checkpoint[RNG_KEY] = rng_state()  # set again when a restored generation starts training
         tensors = self.state_tensors(pl_module, trainer.optimizers)
         step = trainer.global_step
         fingerprint = self.snapshots.record(step, encode_loop_state(checkpoint), tensors, gen=self.generation)
