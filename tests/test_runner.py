@@ -12,6 +12,7 @@ of the module).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,62 @@ def test_the_runner_says_what_is_wrong_before_ranks_start(tmp_path) -> None:
     )
     assert result.returncode == 2
     assert "config error: elastic.enabled=true needs the built-in data pipeline" in result.stderr
+
+
+UNSHARDED_SCRIPT = """
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from own_module import RegressionData
+
+from ckless_lightning.run import fit
+
+
+class Unsharded(pl.LightningModule):  # no fully_shard in configure_model: each rank its own copy
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(32, 8)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+fit(Unsharded(), datamodule=RegressionData(num_samples=256), max_steps=4, enable_progress_bar=False)
+"""
+
+
+def test_a_mistake_found_in_the_ranks_ends_the_job_with_exit_2_not_retried(tmp_path) -> None:
+    """An unsharded module on 2 ranks is found in each rank (at tier 3, inside the recovery loop):
+    the same in every generation, so the job ends at once with exit 2 naming the fix, without
+    spending the fault budget on restarts."""
+    script = tmp_path / "unsharded.py"
+    script.write_text(UNSHARDED_SCRIPT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckless_lightning.run",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            "tier=3",
+            "timeline=false",
+            str(script),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-4000:]
+    assert "exited with a config error" in out and "is not sharded" in out and "fully_shard" in out
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert '"kind":"generation"' not in events  # no recovery was attempted

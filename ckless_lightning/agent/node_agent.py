@@ -428,11 +428,14 @@ class NodeAgent:
         return Decision(Action.DONE, gen)
 
     def _give_up_exit(self) -> int:
+        """The job is given up: the exit code given with its reason (a rank's config error: 2), else
+        :data:`EXIT_FAULT_BUDGET` (requeue)."""
         assert self.store is not None
         reason = self.store.giveup_reason() or "fault budget spent"
-        self.events.emit("giveup", reason=reason, exit_code=EXIT_FAULT_BUDGET)
-        print(f"giving up: {reason}; exit code {EXIT_FAULT_BUDGET}", file=sys.stderr)
-        return EXIT_FAULT_BUDGET
+        code = self.store.giveup_code() or EXIT_FAULT_BUDGET
+        self.events.emit("giveup", reason=reason, exit_code=code)
+        print(f"giving up: {reason}; exit code {code}", file=sys.stderr)
+        return code
 
     # -- ranks -----------------------------------------------------------------
     def start_ranks(self, gen: int) -> None:

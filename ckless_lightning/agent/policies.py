@@ -160,6 +160,22 @@ class Policy(ABC):
     def decide(self, obs: Observation) -> Decision:
         """Report what ``obs`` shows, act on single ranks where the tier does, and say what comes next."""
 
+    def _gave_up_on_usage_error(self, obs: Observation) -> bool:
+        """A local rank exited :attr:`ExitCode.CONFIG` (a :class:`~ckless_lightning.runtime.contract.
+        UsageError`: the same in every generation): give the job up with that exit code, naming the
+        rank and its log's last traceback, instead of spending the fault budget on it."""
+        wrong = sorted(rank for rank, code in obs.codes.items() if code == ExitCode.CONFIG)
+        if not wrong:
+            return False
+        rank = wrong[0]
+        report = self.agent.ranks[rank].failure_report()
+        self.store.give_up(
+            f"rank {rank} exited with a config error, which a restart would repeat "
+            f"({self.agent.ranks[rank].log_path}). {report}",
+            code=ExitCode.CONFIG,
+        )
+        return True
+
     @abstractmethod
     def move_on(self, gen: int, target: int | None) -> int | None:
         """Carry out NEXT_GENERATION from ``gen``; returns the generation the node is in (None: give up)."""
@@ -241,7 +257,7 @@ class RestartAll(Policy):
 
     def decide(self, obs: Observation) -> Decision:
         gen = obs.gen
-        if obs.giveup:
+        if obs.giveup or self._gave_up_on_usage_error(obs):
             return Decision(Action.GIVE_UP, gen)
         if obs.current > gen:
             return Decision(Action.NEXT_GENERATION, gen, target=obs.current)
@@ -319,7 +335,7 @@ class ReplaceFailed(Policy):
 
     def decide(self, obs: Observation) -> Decision:
         gen = obs.gen
-        if obs.giveup:
+        if obs.giveup or self._gave_up_on_usage_error(obs):
             return Decision(Action.GIVE_UP, gen)
         if obs.current > gen:
             if self.budget.spent_by(obs.current):

@@ -25,6 +25,7 @@ key                                value                                        
 ``gen<g>/moved/<rank>``            the job left ``g``: wakes ``rank``'s generation watch         advancer
                                    (or the rank itself, to release its own watch)
 ``giveup``                         set once: the reason the job stops for good                 agent
+``giveup_code``                    the exit code that goes with it (absent: 75, requeue)       agent
 ``hb/<rank>``                      ``"<gen> <completed step> <unix time>"``, each step         rank, agent
 ``where/<rank>``                   tiers 3-4: where the rank's main thread is, each second     rank
                                    (``peers``: waiting in a collective, ``running``, ``data``)
@@ -280,9 +281,17 @@ class JobStore:
         return self._tcp.add("job_started", 1) == 1
 
     # -- giving up ---------------------------------------------------------
-    def give_up(self, reason: str) -> None:
+    def give_up(self, reason: str, *, code: int | None = None) -> None:
+        """Stop the job for good, for ``reason``; ``code``: the exit code every agent ends with
+        (None: the fault budget's). The first reason stands."""
         if not self._tcp.check(["giveup"]):
+            if code is not None:
+                self._tcp.set("giveup_code", str(code))
             self._tcp.set("giveup", reason)
+
+    def giveup_code(self) -> int | None:
+        """The exit code given with the reason the job was given up (None: the fault budget's)."""
+        return int(self._tcp.get("giveup_code")) if self._tcp.check(["giveup_code"]) else None
 
     def giveup_reason(self) -> str | None:
         return self._tcp.get("giveup").decode() if self._tcp.check(["giveup"]) else None

@@ -43,6 +43,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from ckless_lightning.runtime.contract import UsageTypeError
+
 __all__ = ["CommittedPositionLoader", "positioned_loader"]
 
 
@@ -99,7 +101,7 @@ def positioned_loader(loader: object, *, rank: int, world_size: int, seed: int) 
         return CommittedPositionLoader(_rebuilt(loader, rank=rank, world_size=world_size, seed=seed))
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         return loader  # keeps its own position (the built-in loaders)
-    raise TypeError(
+    raise UsageTypeError(
         f"the train loader ({type(loader).__module__}.{type(loader).__qualname__}) cannot be positioned: a "
         "resume or a recovery would restart its data from the beginning. Return a "
         "torch.utils.data.DataLoader over a map-style dataset or torchdata's StatefulDataLoader "
@@ -128,7 +130,7 @@ def _rebuilt(loader: DataLoader, *, rank: int, world_size: int, seed: int) -> An
     if isinstance(dataset, IterableDataset):
         if isinstance(loader, StatefulDataLoader):
             return loader  # the dataset's own state_dict() is its position
-        raise TypeError(
+        raise UsageTypeError(
             f"the train loader's dataset ({type(dataset).__qualname__}) is an IterableDataset, whose "
             "position a DataLoader cannot save: use torchdata's StatefulDataLoader with a dataset that "
             "implements state_dict()/load_state_dict(), or a map-style dataset"
@@ -137,14 +139,14 @@ def _rebuilt(loader: DataLoader, *, rank: int, world_size: int, seed: int) -> An
     if loader.batch_sampler is not None and getattr(loader.batch_sampler, "sampler", None) is not None:
         sampler = loader.batch_sampler.sampler  # where Lightning's injection puts it
     if type(sampler).__name__ == "DistributedSamplerWrapper":
-        raise TypeError(
+        raise UsageTypeError(
             "the train loader's sampler was wrapped by Lightning's DistributedSamplerWrapper, whose "
             "order a recovery cannot repeat: build the Trainer with use_distributed_sampler=False "
             "(CheckpointlessStrategy gives each rank its part itself)"
         )
     if isinstance(sampler, (RandomSampler, stateful.RandomSampler, SequentialSampler)):
         if getattr(sampler, "replacement", False):
-            raise TypeError(
+            raise UsageTypeError(
                 "the train loader samples with replacement (RandomSampler(replacement=True)), which a "
                 "DistributedSampler cannot split between ranks: give each rank a sampler of its own"
             )

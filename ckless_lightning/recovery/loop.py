@@ -67,7 +67,13 @@ from ckless_lightning.replication.state import (
     set_rng_state,
 )
 from ckless_lightning.runtime.checkpointing import latest_checkpoint, quarantine_checkpoints
-from ckless_lightning.runtime.contract import ExitCode, RankContext, is_device_fault, is_peer_failure
+from ckless_lightning.runtime.contract import (
+    ExitCode,
+    RankContext,
+    UsageError,
+    is_device_fault,
+    is_peer_failure,
+)
 from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
 from ckless_lightning.training.strategy import MEMORY_CHECKPOINT, CheckpointlessStrategy
 
@@ -280,7 +286,7 @@ class InProcessRecovery:
                 self._unwatch()
                 self._count_votes()
                 return trainer
-            except JobGaveUp:
+            except (JobGaveUp, UsageError):  # a usage error repeats in every generation: not a fault
                 self._unwatch()
                 raise
             except StandbyEnded as ended:

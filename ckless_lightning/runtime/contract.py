@@ -40,6 +40,8 @@ __all__ = [
     "ExitCode",
     "RankContext",
     "RankSpec",
+    "UsageError",
+    "UsageTypeError",
     "die_with_launcher",
     "die_with_parent",
     "is_device_fault",
@@ -75,6 +77,17 @@ class ExitCode(enum.IntEnum):
     LEFT_BEHIND = 6  # a rank: still blocked on peers in a generation the job left, after its cut: replace it
     DEVICE_FAULT = 7  # a rank: its own accelerator failed (a CUDA error poisons the process): replace it
     FAULT_BUDGET = 75  # launch.py: EX_TEMPFAIL, fault budget spent; the scheduler may requeue the job
+
+
+class UsageError(ValueError):
+    """A mistake in how the job uses the product, found in a rank (a script's ``fit`` arguments, a
+    module whose parameters are not sharded, a loader without a position): the same in every
+    generation, so it is not a fault to recover. The rank exits :attr:`ExitCode.CONFIG` and the
+    agents give the job up with that code; the message names what to change."""
+
+
+class UsageTypeError(UsageError, TypeError):
+    """A :class:`UsageError` about the type of something given (also a TypeError, as such errors are)."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,13 @@ from typing import IO, Any
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.recovery.device_fault import exit_on_device_fault
 from ckless_lightning.runtime.config import JobConfig, load_job_config
-from ckless_lightning.runtime.contract import ExitCode, RankContext, is_device_fault, is_peer_failure
+from ckless_lightning.runtime.contract import (
+    ExitCode,
+    RankContext,
+    UsageError,
+    is_device_fault,
+    is_peer_failure,
+)
 from ckless_lightning.training.job import train_rank
 from ckless_lightning.training.script_rank import run_script
 
@@ -196,6 +202,9 @@ def run_rank_process(
             _drop_process_group()
             _report_resources(job, context)
             _exit_now(ExitCode.OK)
+    except UsageError as err:  # the same in every generation: the agents give the job up
+        print(f"rank {context.rank}: config error: {err}", file=sys.stderr)
+        return ExitCode.CONFIG
     except Exception as err:
         if is_device_fault(err):  # tiers 0-2 (tiers 3-4 end in the recovery loop)
             exit_on_device_fault(err, rank=context.rank, keep_ports=set())

@@ -36,7 +36,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from ckless_lightning.runtime.config import JobConfig, load_job_config
-from ckless_lightning.runtime.contract import ENV_JOB_CONFIG, RankContext
+from ckless_lightning.runtime.contract import ENV_JOB_CONFIG, RankContext, UsageError, UsageTypeError
 
 __all__ = ["RESERVED_TRAINER_KEYS", "fit", "run_script"]
 
@@ -85,7 +85,7 @@ def fit(
     reserved = sorted(set(trainer_kwargs) & set(RESERVED_TRAINER_KEYS))
     if reserved:
         key = reserved[0]
-        raise ValueError(
+        raise UsageError(
             f"ckless_lightning.run.fit: {key}= is the job's to set; {RESERVED_TRAINER_KEYS[key]}"
         )
     make_module = _module_factory(model)
@@ -124,7 +124,7 @@ def _module_factory(
 
         return fresh
     if not callable(model) or isinstance(model, nn.Module):
-        raise TypeError(
+        raise UsageTypeError(
             f"ckless_lightning.run.fit: model must be a LightningModule or a function returning one, got "
             f"{type(model).__name__}"
         )
@@ -132,7 +132,7 @@ def _module_factory(
     def built() -> pl.LightningModule:
         module = model()
         if not isinstance(module, pl.LightningModule):
-            raise TypeError(
+            raise UsageTypeError(
                 f"ckless_lightning.run.fit: model() returned a {type(module).__name__}, not a LightningModule"
             )
         return module

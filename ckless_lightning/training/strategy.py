@@ -53,6 +53,7 @@ from ckless_lightning.replication.state import (
     rng_state,
     set_rng_state,
 )
+from ckless_lightning.runtime.contract import UsageError
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
 __all__ = ["MEMORY_CHECKPOINT", "CheckpointlessStrategy", "InMemoryState"]
@@ -366,7 +367,7 @@ def _check_sharded(module: pl.LightningModule, world_size: int) -> None:
     plain = [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         more = f" and {len(plain) - 1} more" if len(plain) > 1 else ""
-        raise ValueError(
+        raise UsageError(
             f"{type(module).__name__}'s parameter {plain[0]!r}{more} is not sharded: on {world_size} "
             "ranks each would train its own copy. In configure_model, apply FSDP2 over the "
             "strategy's mesh: mesh = ckless_lightning.models.data_parallel_mesh(self.device_mesh), "
