@@ -248,7 +248,10 @@ except Exception as err:
 
 
 def check_children() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     forked = subprocess.run(
         [sys.executable, "-c", _FORKED_CHILD], env=env, capture_output=True, text=True, timeout=120
     )

@@ -28,11 +28,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per rank and micro-batch")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
     pl.seed_everything(args.seed, workers=True)  # the weights are drawn in MLPRegressor.__init__
-    model = MLPRegressor(lr=args.lr, max_steps=args.max_steps)
+    model = MLPRegressor(lr=args.lr, max_steps=args.max_steps, dropout=args.dropout)
     data = RegressionData(batch_size=args.batch_size, seed=args.seed)
     trainer = fit(
         model,
