@@ -143,6 +143,13 @@ def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, 
         check_fits(plan, available, source, host_available=host)
     except MemoryError as err:
         _error("refused", err)
+        if not gpu:
+            print(
+                f"no GPU here: cluster.accelerator={job.cluster.accelerator} found no CUDA device, so the "
+                "state would live in host RAM; on this machine try recipe=llama3_tiny (sized for a "
+                "2-core CPU), or see this recipe's plan with dry_run=true",
+                file=sys.stderr,
+            )
         return ExitCode.DOES_NOT_FIT
 
     from ckless_lightning.data import prepare_dataset

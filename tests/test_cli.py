@@ -57,6 +57,7 @@ def test_recipe_that_does_not_fit_is_refused_with_plan(tmp_path):
     result = launch(tmp_path, "recipe=llama3_70b", "trainer.max_steps=10", "data.seq_len=512")
     assert result.returncode == 3
     assert "70.55B" in result.stderr and "dry_run=true" in result.stderr
+    assert "no GPU here" in result.stderr and "recipe=llama3_tiny" in result.stderr
     assert_no_rank_started(tmp_path)
 
 

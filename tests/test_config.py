@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import FULL_RECIPES
 
@@ -115,6 +117,26 @@ def test_buddy_on_its_own_node_fails_before_ranks(compose):
         job_config_from_dict(compose(*two_nodes, "replication.buddy_offset=1"))
     with pytest.raises(ValueError, match=r"replication\.buddy_offset=4 makes every rank its own buddy"):
         job_config_from_dict(compose(*two_nodes, "replication.buddy_offset=4"))
+
+
+def test_tier4_on_one_rank_says_tier3_or_more_ranks(compose):
+    with pytest.raises(ValueError, match=r"this job has one rank .*use tier=3 .* or 2 ranks or more"):
+        job_config_from_dict(compose("cluster.nproc_per_node=1", "tier='4'", "fault=none"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.max_steps=ten", "trainer.max_steps must be an integer, got 'ten'"),
+        ("trainer.max_steps=true", "trainer.max_steps must be an integer, got True"),
+        ("agent.hang_timeout=soon", "agent.hang_timeout must be a number, got 'soon'"),
+        ("trainer.enable_progress_bar=maybe", "trainer.enable_progress_bar must be true or false"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_a_config_error_naming_the_key(compose, override, message):
+    """Not a TypeError traceback from inside a dataclass: exit 2 with the key (launch.py's ValueError)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        job_config_from_dict(compose(override, "fault=none"))
 
 
 def test_fault_plan_and_recovery_phase_checks(compose):

@@ -81,7 +81,6 @@ def test_check_vocab():
         ({"format": "csv"}, "data.format"),
         ({"format": "tokenized"}, "data.source"),
         ({"max_source_bytes": 0}, "data.max_source_bytes"),
-        ({"source": "x.txt", "max_source_bytes": 10}, "data.max_source_bytes"),
         ({"text_column": ""}, "data.text_column"),
     ],
 )
@@ -92,6 +91,11 @@ def test_config_rejects(kwargs, key):
 
 def test_config_does_not_check_source_exists(tmp_path):
     DataConfig(source=str(tmp_path / "not-there.jsonl"))
+
+
+def test_a_recipes_corpus_cap_does_not_apply_to_your_source():
+    """llama3_tiny caps the built-in corpus; data.source=... on the command line is not refused for it."""
+    assert DataConfig(source="x.txt", max_source_bytes=10).max_source_bytes is None
 
 
 # --- prepare: default corpus and cache -----------------------------------------------------------------

@@ -19,7 +19,8 @@ class DataConfig:
     file extension (a ``save_to_disk`` directory is ``tokenized``). Whether ``source`` exists
     is checked by :func:`~ckless_lightning.data.prepare_dataset`, not here, so a config can be
     built on a machine that does not hold the data. ``max_source_bytes`` caps how much of the
-    built-in corpus is read (for fast smoke runs); it does not apply to user sources.
+    built-in corpus is read (for fast smoke runs); with a ``source`` it is ignored (set to None: a
+    recipe's cap does not stop ``data.source=`` on the command line).
     """
 
     source: str | None = None
@@ -68,11 +69,8 @@ class DataConfig:
                 raise ValueError(
                     f"data.max_source_bytes={self.max_source_bytes} must be positive; use null for no cap."
                 )
-            if self.source is not None:
-                raise ValueError(
-                    "data.max_source_bytes only caps the built-in corpus (data.source=null); "
-                    f"remove it or trim data.source={self.source!r} yourself."
-                )
+            if self.source is not None:  # a recipe's cap of the built-in corpus: not for your data
+                self.max_source_bytes = None
         if isinstance(self.lookback, bool) or not isinstance(self.lookback, int) or self.lookback < 0:
             raise ValueError(f"data.lookback={self.lookback!r} must be a non-negative integer.")
         if not self.reader_timeout_s > 0:

@@ -13,6 +13,8 @@ config checks stay cheap. The model section is instantiated with Hydra
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -573,6 +575,12 @@ class JobConfig:
                 f"shard), got cluster.replicate={cluster.replicate}; set cluster.replicate=2 (HSDP) "
                 "or replication.source=buddy"
             )
+        if cluster.world_size < 2:
+            raise ValueError(
+                f"tier=4 keeps each rank's state in another rank's memory, and this job has one rank "
+                f"(cluster.nnodes={cluster.nnodes}, cluster.nproc_per_node={cluster.nproc_per_node}): "
+                "use tier=3 (in-process recovery from disk checkpoints) or 2 ranks or more"
+            )
         if source == "buddy":
             from ckless_lightning.replication.source_map import buddy_survives_node_loss
 
@@ -657,7 +665,41 @@ def build_section(cls: type, values: dict[str, Any] | None, key: str) -> Any:
             f"unknown config key(s) {', '.join(f'{key}.{name}' for name in unknown)}; "
             f"known keys under {key}: {', '.join(sorted(known))}"
         )
+    for name, value in values.items():
+        _check_type(cls, name, value, key)
     return cls(**values)
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _check_type(cls: type, name: str, value: Any, key: str) -> None:
+    """A value of a plain type (int, float, bool, str, a list, each possibly null) that is not one is a
+    config error naming ``key.name`` (a dataclass would take it and fail later with a traceback)."""
+    try:
+        hint = typing.get_type_hints(cls).get(name)
+    except Exception:  # an annotation this module cannot resolve: the dataclass checks it itself
+        return
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return
+    plain = [t for t in allowed if t in _KINDS or typing.get_origin(t) in (list, tuple) or t in (list, tuple)]
+    if not plain or len(plain) != len([t for t in allowed if t is not type(None)]):
+        return  # Any, a nested dataclass, a Literal...: not checked here
+    for kind in plain:
+        origin = typing.get_origin(kind) or kind
+        if origin in (list, tuple) and isinstance(value, list | tuple):
+            return
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind in (bool, str) and isinstance(value, kind):
+            return
+    wanted = " or ".join(_KINDS.get(t, "a list") for t in plain)
+    if type(None) in allowed:
+        wanted += " or null"
+    raise ValueError(f"{key}.{name} must be {wanted}, got {value!r}")
 
 
 def _instantiate_model(values: dict[str, Any]) -> Any:
