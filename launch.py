@@ -25,12 +25,9 @@ sys.argv[1:] = [quote_tier(arg) for arg in sys.argv[1:]]
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
+    from ckless_lightning.cli import command_line_keys, run_job
 
-    from ckless_lightning.cli import run_job
-
-    explicit = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
-    code = run_job(cfg, env=os.environ, explicit=explicit)
+    code = run_job(cfg, env=os.environ, explicit=command_line_keys())
     if code:
         sys.exit(code)
 

@@ -25,7 +25,15 @@ if TYPE_CHECKING:
     from ckless_lightning.agent.fork_server import ForkServer
     from ckless_lightning.runtime.config import JobConfig
 
-__all__ = ["run_job"]
+__all__ = ["command_line_keys", "run_job"]
+
+
+def command_line_keys() -> set[str]:
+    """The keys the running Hydra app's command line set (``run_job``'s ``explicit``); call it from
+    the ``@hydra.main`` function (launch.py's, the runner's)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
 
 
 def _error(kind: str, err: BaseException) -> None:

@@ -127,13 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     @hydra.main(version_base="1.3", config_path=str(conf), config_name="config")
     def job(cfg: DictConfig) -> None:
         nonlocal code
-        from hydra.core.hydra_config import HydraConfig
-
-        from ckless_lightning.cli import run_job
+        from ckless_lightning.cli import command_line_keys, run_job
 
         OmegaConf.update(cfg, "script", args.script, force_add=True)
-        explicit = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
-        code = run_job(cfg, env=os.environ, explicit=explicit)
+        code = run_job(cfg, env=os.environ, explicit=command_line_keys())
 
     sys.argv = [sys.argv[0], *args.hydra]
     job()

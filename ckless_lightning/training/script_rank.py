@@ -80,7 +80,8 @@ def fit(
     strategy. ``ckpt_path``: where the job starts (None: the job's ``checkpoint.resume``, by
     default the latest checkpoint in ``checkpoint.dir``). ``trainer_kwargs``: ``pl.Trainer``'s,
     but those in :data:`RESERVED_TRAINER_KEYS` (ValueError naming the key and the fix).
-    At tiers 3-4 the job's process group is destroyed on return (every rank finished).
+    At tiers 3-4 the last generation's process group stays until the script ends (the rank
+    process destroys it then, :func:`~ckless_lightning.training.rank_process.run_rank_process`).
     """
     reserved = sorted(set(trainer_kwargs) & set(RESERVED_TRAINER_KEYS))
     if reserved:
@@ -106,10 +107,7 @@ def fit(
     # A script that seeded itself (pl.seed_everything) keeps its seed; else the job's ``seed``.
     seeded = "PL_GLOBAL_SEED" in os.environ
     parts = ScriptParts(make_module, datamodule, dict(trainer_kwargs), ckpt_path=ckpt_path, seed=not seeded)
-    trainer = train_rank(job, RankContext.from_env(), parts)
-    if job.tier >= 3:
-        _drop_process_group()
-    return trainer
+    return train_rank(job, RankContext.from_env(), parts)
 
 
 def _module_factory(
@@ -138,10 +136,3 @@ def _module_factory(
         return module
 
     return built
-
-
-def _drop_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
