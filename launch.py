@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ckless_lightning.run import quote_tier
+from ckless_lightning.runtime.hydra_app import composed, run_hydra_app
 
 # The one environment variable of the project: where recipes/ is (conf/config.yaml's search path).
 os.environ.setdefault("CKLESS_PROJECT_ROOT", str(Path(__file__).resolve().parent))
@@ -25,6 +26,7 @@ sys.argv[1:] = [quote_tier(arg) for arg in sys.argv[1:]]
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    composed()
     from ckless_lightning.cli import command_line_keys, run_job
 
     code = run_job(cfg, env=os.environ, explicit=command_line_keys())
@@ -33,4 +35,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_app(main)  # an unknown key or recipe: "config error: ..." naming the fix, exit 2

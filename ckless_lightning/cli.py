@@ -48,17 +48,32 @@ def run_job(cfg: DictConfig, *, env: Mapping[str, str] | None = None, explicit: 
     a scheduler's values never override.
     """
     env = {} if env is None else env
+    # Validation imports no torch (about a second): a bad value is reported before anything starts.
+    from ckless_lightning.runtime.config import job_config_from_dict
+
     try:
         _place_from_scheduler(cfg, env, explicit)
-    except ValueError as err:
+        container: Any = OmegaConf.to_container(cfg, resolve=True)
+        job = job_config_from_dict(container)
+        _check_data_source(job)
+    except (ValueError, FileNotFoundError) as err:
         _error("config error", err)
         return ExitCode.CONFIG
-    fork_server = _start_fork_server(cfg)
+    fork_server = _start_fork_server(job)
     try:
-        return _run_job(cfg, fork_server, env)
+        return _run_job(job, container, fork_server, env)
     finally:
         if fork_server is not None:
             fork_server.close()
+
+
+def _check_data_source(job: JobConfig) -> None:
+    """``data.source`` names files of a format the built-in pipeline reads (torch-free: before
+    the fork server starts)."""
+    if job.datamodule.builtin and job.script is None and job.data.source is not None:
+        from ckless_lightning.data.source import resolve_source
+
+        resolve_source(job.data)
 
 
 def _place_from_scheduler(cfg: DictConfig, env: Mapping[str, str], explicit: Collection[str]) -> None:
@@ -77,42 +92,31 @@ def _place_from_scheduler(cfg: DictConfig, env: Mapping[str, str], explicit: Col
         print(f"slurm: {placed} (from SLURM_*; cluster.launcher=manual to turn off)")
 
 
-def _start_fork_server(cfg: DictConfig) -> ForkServer | None:
-    """With ``agent.fork_server`` (and not a dry run or a ``k8s.render``), start it now, from the
-    composed config: its imports of torch and Lightning run while this process validates, plans and
-    prepares the data. None when it is off, or when ``run_dir`` cannot be created (validation
-    reports that)."""
-    if not OmegaConf.select(cfg, "agent.fork_server", default=True) or OmegaConf.select(
-        cfg, "dry_run", default=False
-    ):
+def _start_fork_server(job: JobConfig) -> ForkServer | None:
+    """With ``agent.fork_server`` (and not a dry run or a ``k8s.render``), start it now, once the
+    config is valid: its imports of torch and Lightning run while this process plans, prepares the
+    data and starts the store. None when it is off, or when ``run_dir`` cannot be created (reported
+    next)."""
+    if not job.agent.fork_server or job.dry_run or job.k8s.render:
         return None
-    if OmegaConf.select(cfg, "k8s.render", default=None):
-        return None  # only manifests are written
     from ckless_lightning.agent.fork_server import ForkServer
 
-    node = OmegaConf.select(cfg, "cluster.node_rank", default=0)
-    if OmegaConf.select(cfg, "cluster.standby", default=False):
-        node = f".standby{os.getpid()}"  # a node number only once it takes a node over
+    # A standby agent has a node number only once it takes a node over.
+    node = f".standby{os.getpid()}" if job.cluster.standby else job.cluster.node_rank
     try:
-        log_dir = Path(str(cfg.run_dir)) / "rank_logs"
+        log_dir = Path(job.run_dir) / "rank_logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-    except (OSError, ValueError):
+    except OSError:
         return None
     server = ForkServer(log_dir / f"forkserver{node}.log")
     server.start()
     return server
 
 
-def _run_job(cfg: DictConfig, fork_server: ForkServer | None, env: Mapping[str, str]) -> int:
+def _run_job(
+    job: JobConfig, container: dict[str, Any], fork_server: ForkServer | None, env: Mapping[str, str]
+) -> int:
     from ckless_lightning.comm.secret import job_secret
-    from ckless_lightning.runtime.config import job_config_from_dict
-
-    try:
-        container: Any = OmegaConf.to_container(cfg, resolve=True)
-        job = job_config_from_dict(container)
-    except ValueError as err:
-        _error("config error", err)
-        return ExitCode.CONFIG
 
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

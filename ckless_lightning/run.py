@@ -122,18 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
+    from ckless_lightning.runtime.hydra_app import composed, run_hydra_app
+
     code = 0
 
     @hydra.main(version_base="1.3", config_path=str(conf), config_name="config")
     def job(cfg: DictConfig) -> None:
         nonlocal code
+        composed()
         from ckless_lightning.cli import command_line_keys, run_job
 
         OmegaConf.update(cfg, "script", args.script, force_add=True)
         code = run_job(cfg, env=os.environ, explicit=command_line_keys())
 
     sys.argv = [sys.argv[0], *args.hydra]
-    job()
+    run_hydra_app(job)
     return code
 
 

@@ -10,10 +10,12 @@ import pytest
 from conftest import ROOT
 
 
-def launch(tmp_path: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def launch(
+    tmp_path: Path, *overrides: str, timeout: float = 120, python_flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     run_dir = tmp_path / "run"
     return subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *overrides],
+        [sys.executable, *python_flags, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}", *overrides],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -23,6 +25,12 @@ def launch(tmp_path: Path, *overrides: str, timeout: float = 120) -> subprocess.
 
 def assert_no_rank_started(tmp_path: Path) -> None:
     assert not list((tmp_path / "run").glob("rank_logs/rank*.log")), "a rank was started"
+
+
+def assert_nothing_started(tmp_path: Path) -> None:
+    """A config that fails validation starts nothing, not even the fork server."""
+    assert_no_rank_started(tmp_path)
+    assert not list((tmp_path / "run").glob("rank_logs/forkserver*.log")), "the fork server was started"
 
 
 @pytest.mark.timeout(120)
@@ -40,7 +48,7 @@ def test_mesh_not_dividing_world_fails_before_ranks(tmp_path):
     result = launch(tmp_path, "cluster.replicate=3")
     assert result.returncode == 2
     assert "cluster.replicate=3" in result.stderr and "cluster.nproc_per_node=4" in result.stderr
-    assert_no_rank_started(tmp_path)
+    assert_nothing_started(tmp_path)
 
 
 @pytest.mark.timeout(120)
@@ -96,4 +104,46 @@ def test_bad_agent_and_fault_config_fails_before_ranks(tmp_path, overrides, name
     result = launch(tmp_path, *overrides)
     assert result.returncode == 2, result.stderr
     assert named in result.stderr
-    assert_no_rank_started(tmp_path)
+    if "fault=bitflip" in overrides:  # checked against the model's names: after the fork server started
+        assert_no_rank_started(tmp_path)
+    else:
+        assert_nothing_started(tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["trainer.max_steps=ten"], "trainer.max_steps must be an integer, got 'ten'"),
+        (["data.source=/nonexistent"], "data.source='/nonexistent'"),
+        (["tier=4", "cluster.nproc_per_node=1"], "use tier=3"),
+        (["trainer.max_step=10"], "did you mean trainer.max_steps?"),
+        (["model.dimm=64"], "did you mean model.dim?"),
+        (["recipe=llama3_tinyy"], "did you mean recipe=llama3_tiny?"),
+        (["fault=kil"], "did you mean fault=kill?"),  # an optional group once ran without the fault
+        (["cluster=local_gpu"], "did you mean cluster=local_cpu?"),
+        (["trainer.max_steps"], "write KEY=VALUE"),
+    ],
+)
+def test_a_mistake_is_a_config_error_before_torch_is_imported(tmp_path, overrides, said):
+    """Every bad input is exit 2 with a message naming the key and a fix, reported before the fork
+    server, the data or any rank starts, and without importing torch (so in about a second)."""
+    result = launch(tmp_path, *overrides, python_flags=("-X", "importtime"))
+    message = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert result.returncode == 2, "\n".join(message)
+    assert any(line.startswith("config error: ") and said in line for line in message), message
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "lightning" not in imported
+    assert_nothing_started(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_help_lists_recipes_tiers_faults_and_exit_codes(tmp_path):
+    result = launch(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for recipe in sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")):
+        assert recipe in out
+    for said in ("Tiers", "fault: bitflip, chaos", "logger: csv", "cluster.replicate", "Exit codes", "75"):
+        assert said in out
+    assert out.count("python launch.py recipe=") >= 2 and "--config-dir DIR" in out

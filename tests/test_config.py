@@ -176,3 +176,41 @@ def test_memory_plan_counts_tier4_host_copies_and_refuses_what_does_not_fit(comp
     assert hsdp.replication == "hsdp" and hsdp.host_copy_bytes == 0 and "no host copies" in hsdp.format()
     tier3 = plan_job(job_config_from_dict(compose("recipe=llama3_8b", "tier='3'")))
     assert tier3.replication is None and tier3.host_copy_bytes == 0 == tier3.recovery_peak_bytes
+
+
+def test_validating_a_config_imports_no_torch(compose, tmp_path):
+    """launch.py validates before it imports torch, so a bad value is reported in about a second
+    (and before the fork server starts): the configs, the mesh arithmetic and the buddy planner are
+    torch-free."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(compose("tier='4'", "recipe=mixtral_tiny", "fsdp.param_dtype=bfloat16")))
+    code = (
+        "import json, sys\n"
+        "from ckless_lightning.runtime.config import job_config_from_dict\n"
+        f"job = job_config_from_dict(json.load(open({str(config)!r})))\n"
+        "heavy = sorted(m for m in ('torch', 'datasets') if m in sys.modules)\n"
+        "print(type(job.model).__name__, job.fsdp.param_dtype, heavy)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["MixtralConfig", "bfloat16", "[]"], result.stdout + result.stderr
+
+
+def test_every_lazily_loaded_module_is_on_the_spares_preload_list():
+    """The packages load their torch-using modules on first use (so validation is torch-free); a warm
+    spare imports them before its hand-over (``RANK_PATH_MODULES``), or the rank it becomes pays for
+    the imports after the fault (a lazy module missing from that list failed CI once)."""
+    import importlib
+
+    from ckless_lightning.training.rank_process import RANK_PATH_MODULES
+
+    lazy = {
+        f"{package}.{sub}"
+        for package in ("ckless_lightning.data", "ckless_lightning.models", "ckless_lightning.replication")
+        for sub in importlib.import_module(package)._LAZY.values()
+    }
+    missing = sorted(lazy - set(RANK_PATH_MODULES))
+    assert not missing, f"add to RANK_PATH_MODULES: {missing}"

@@ -7,17 +7,13 @@ the launcher's own imports of torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckless_lightning.runtime.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from ckless_lightning.agent.node_agent import EXIT_FAULT_BUDGET, NodeAgent
 
 __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from ckless_lightning.agent import node_agent
-
-        return getattr(node_agent, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, dict.fromkeys(__all__, "node_agent"))

@@ -16,7 +16,6 @@ The stream is cut into whole rows and the tail shorter than one row is dropped.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -33,8 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ckless_lightning.data.config import DataConfig
-from ckless_lightning.data.corpus import default_corpus, file_fingerprints
+from ckless_lightning.data.corpus import file_fingerprints
 from ckless_lightning.data.hf_tokenizer import load_tokenizer
+from ckless_lightning.data.source import Source, resolve_source
 
 if TYPE_CHECKING:
     # ``datasets`` (with pandas) is imported where it is used: a launcher whose data is cached
@@ -48,11 +48,6 @@ log = logging.getLogger(__name__)
 #: Bump when the packed layout or the packing rule changes; it is part of the cache key.
 FORMAT_VERSION = 1
 _META_FILE = "ckless_prepared.json"
-_EXTENSIONS = {
-    ".txt": "text", ".text": "text", ".md": "text", ".rst": "text", ".py": "text",
-    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
-    ".parquet": "parquet", ".pq": "parquet",
-}  # fmt: skip
 _BUILDERS = {"text": "text", "jsonl": "json", "parquet": "parquet"}
 _INT32_MAX = 2**31 - 1
 
@@ -73,75 +68,7 @@ class PreparedData:
     from_cache: bool = False
 
 
-@dataclass(frozen=True)
-class _Source:
-    format: str  # text | jsonl | parquet | tokenized
-    files: tuple[Path, ...]  # what the cache key fingerprints
-    label: str  # for messages
-    directory: Path | None = None  # the save_to_disk directory of a tokenized source
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
-
-
-def _list_files(root: Path) -> list[Path]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        files.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
-    return sorted(files)
-
-
-def _resolve_source(cfg: DataConfig) -> _Source:
-    """Find the files behind ``cfg.source`` and settle its format."""
-    if cfg.source is None:
-        corpus = default_corpus(cfg.max_source_bytes)
-        return _Source("text", corpus.files, f"built-in stdlib corpus ({len(corpus.files)} files)")
-    raw = os.path.expanduser(cfg.source)
-    fix = "fix the path, or set data.source=null to use the built-in corpus."
-    if any(c in raw for c in "*?["):
-        files = sorted(Path(p) for p in glob.glob(raw, recursive=True) if os.path.isfile(p))
-        if not files:
-            raise FileNotFoundError(f"data.source={cfg.source!r}: the glob matches no files; {fix}")
-    else:
-        path = Path(raw)
-        if not path.exists():
-            raise FileNotFoundError(f"data.source={cfg.source!r}: {path.resolve()} does not exist; {fix}")
-        auto_saved = cfg.format == "auto" and _is_saved_dataset(path)
-        if path.is_dir() and (cfg.format == "tokenized" or auto_saved):
-            if not _is_saved_dataset(path):
-                raise ValueError(
-                    f"data.source={cfg.source!r} is not a Dataset.save_to_disk directory (no state.json); "
-                    "point it at one or set data.format to the files' format."
-                )
-            return _Source("tokenized", tuple(_list_files(path)), str(path), directory=path)
-        files = _list_files(path) if path.is_dir() else [path]
-        if not files:
-            raise FileNotFoundError(f"data.source={cfg.source!r}: directory {path.resolve()} is empty; {fix}")
-    if cfg.format == "tokenized":
-        raise ValueError(
-            "data.format=tokenized needs data.source to be a Dataset.save_to_disk directory, "
-            f"got {cfg.source!r}."
-        )
-    if cfg.format != "auto":
-        return _Source(cfg.format, tuple(files), cfg.source)
-    formats = {_EXTENSIONS.get(f.suffix.lower()) for f in files}
-    if None in formats:
-        unknown = sorted({f.suffix or f.name for f in files if f.suffix.lower() not in _EXTENSIONS})
-        raise ValueError(
-            f"data.source={cfg.source!r}: cannot tell the format of {', '.join(unknown)} files by extension; "
-            "set data.format to text, jsonl or parquet."
-        )
-    if len(formats) > 1:
-        raise ValueError(
-            f"data.source={cfg.source!r} mixes {', '.join(sorted(formats))} files; "
-            "narrow data.source with a glob or set data.format."
-        )
-    return _Source(formats.pop(), tuple(files), cfg.source)
-
-
-def _cache_key(cfg: DataConfig, src: _Source, tokenizer_name: str) -> str:
+def _cache_key(cfg: DataConfig, src: Source, tokenizer_name: str) -> str:
     """Hash of everything that changes the packed rows: input files, format, tokenizer and packing rule."""
     tokenized = src.format == "tokenized"
     parts = {
@@ -156,7 +83,7 @@ def _cache_key(cfg: DataConfig, src: _Source, tokenizer_name: str) -> str:
     return f"{src.format}-L{cfg.seq_len}-{digest[:20]}"
 
 
-def _tokenize(cfg: DataConfig, src: _Source, work: Path, key: str, tokenizer: Any) -> Dataset:
+def _tokenize(cfg: DataConfig, src: Source, work: Path, key: str, tokenizer: Any) -> Dataset:
     """One row per document with an ``input_ids`` id list (text sources end each with EOD)."""
     from datasets import Features, LargeList, Value, load_dataset
 
@@ -201,7 +128,7 @@ def _tokenize(cfg: DataConfig, src: _Source, work: Path, key: str, tokenizer: An
     )
 
 
-def _load_tokenized(src: _Source) -> Dataset:
+def _load_tokenized(src: Source) -> Dataset:
     """The ``input_ids`` column of a saved dataset, checked to hold non-negative int32-range ids."""
     from datasets import DatasetDict, load_from_disk
 
@@ -278,7 +205,7 @@ def prepare_dataset(cfg: DataConfig) -> PreparedData:
     ``ValueError`` naming the ``data.*`` key to fix.
     """
     started = time.monotonic()
-    src = _resolve_source(cfg)
+    src = resolve_source(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer) if src.format != "tokenized" else None
     key = _cache_key(cfg, src, tokenizer.name if tokenizer is not None else "pretokenized")
     root = Path(os.path.expanduser(cfg.cache_dir)).resolve()

@@ -11,21 +11,50 @@ Typical use (every rank)::
 
 from __future__ import annotations
 
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from ckless_lightning.models.init import init_draw_count, init_weights, reset_buffers
-from ckless_lightning.models.layers import CausalLMOutput
-from ckless_lightning.models.llama3 import Llama3, Llama3Config
-from ckless_lightning.models.mesh import MESH_DIM_NAMES, build_mesh, resolve_mesh
-from ckless_lightning.models.mixtral import Mixtral, MixtralConfig
-from ckless_lightning.models.parallelize import (
-    FSDPConfig,
-    data_parallel_mesh,
-    fsdp_shard_dims,
-    parallelize_llama3,
-    parallelize_mixtral,
-)
+# The configs import no torch (launch.py validates with them first); the rest loads on first use.
+from ckless_lightning.models.configs import FSDPConfig, Llama3Config, MixtralConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ckless_lightning.models.init import init_draw_count, init_weights, reset_buffers
+    from ckless_lightning.models.layers import CausalLMOutput
+    from ckless_lightning.models.llama3 import Llama3
+    from ckless_lightning.models.mesh import MESH_DIM_NAMES, build_mesh, resolve_mesh
+    from ckless_lightning.models.mixtral import Mixtral
+    from ckless_lightning.models.parallelize import (
+        data_parallel_mesh,
+        fsdp_shard_dims,
+        parallelize_llama3,
+        parallelize_mixtral,
+    )
+
+_LAZY = {
+    "CausalLMOutput": "layers",
+    "Llama3": "llama3",
+    "Mixtral": "mixtral",
+    "MESH_DIM_NAMES": "mesh",
+    "build_mesh": "mesh",
+    "resolve_mesh": "mesh",
+    "data_parallel_mesh": "parallelize",
+    "fsdp_shard_dims": "parallelize",
+    "parallelize_llama3": "parallelize",
+    "parallelize_mixtral": "parallelize",
+    "init_draw_count": "init",
+    "init_weights": "init",
+    "reset_buffers": "init",
+}
+
+
+def __getattr__(name: str) -> Any:  # PEP 562 (models import nothing else of ours: no runtime.lazy)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MESH_DIM_NAMES",
@@ -55,6 +84,9 @@ def build_model(cfg: Llama3Config | MixtralConfig) -> nn.Module:
     Weights come from the constructors' default init; call ``init_weights``
     for the seed-determined, sharding-independent ones.
     """
+    from ckless_lightning.models.llama3 import Llama3
+    from ckless_lightning.models.mixtral import Mixtral
+
     if isinstance(cfg, MixtralConfig):
         return Mixtral(cfg)
     if isinstance(cfg, Llama3Config):
@@ -64,6 +96,10 @@ def build_model(cfg: Llama3Config | MixtralConfig) -> nn.Module:
 
 def parallelize_model(model: nn.Module, mesh: DeviceMesh, *, cfg: FSDPConfig) -> nn.Module:
     """Apply the FSDP2 plan matching ``model``'s family (in place) and return it."""
+    from ckless_lightning.models.llama3 import Llama3
+    from ckless_lightning.models.mixtral import Mixtral
+    from ckless_lightning.models.parallelize import parallelize_llama3, parallelize_mixtral
+
     if isinstance(model, Mixtral):
         return parallelize_mixtral(model, mesh, cfg=cfg)
     if isinstance(model, Llama3):

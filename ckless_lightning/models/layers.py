@@ -21,9 +21,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rotary_emb",
-    "attention_num_params",
     "check_tokens",
-    "check_transformer_dims",
 ]
 
 
@@ -37,44 +35,6 @@ class CausalLMOutput(NamedTuple):
 
     logits: torch.Tensor
     aux_loss: torch.Tensor | None
-
-
-def check_transformer_dims(cfg: object) -> None:
-    """Validate the fields both config families share; raise ``ValueError`` naming the field and the fix.
-
-    ``cfg`` is a ``Llama3Config`` or ``MixtralConfig`` (anything with the same
-    attention/FFN field names); its class name prefixes the messages.
-    """
-    owner = type(cfg).__name__
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{owner}.{name}={value!r} must be a positive int.")
-    for name in ("rope_theta", "norm_eps"):
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{owner}.{name}={value!r} must be a positive number.")
-    dim, n_heads, n_kv_heads = cfg.dim, cfg.n_heads, cfg.n_kv_heads  # type: ignore[attr-defined]
-    if dim % n_heads != 0:
-        raise ValueError(
-            f"{owner}.dim={dim} must be divisible by n_heads={n_heads}; pick dim as a multiple of n_heads."
-        )
-    if n_heads % n_kv_heads != 0:
-        divisors = [d for d in range(1, n_heads + 1) if n_heads % d == 0]
-        raise ValueError(
-            f"{owner}.n_kv_heads={n_kv_heads} must divide n_heads={n_heads}; choose one of {divisors}."
-        )
-    if (dim // n_heads) % 2 != 0:
-        raise ValueError(
-            f"{owner}.dim={dim} gives an odd head dim {dim // n_heads}; rotary embeddings need an even "
-            "head dim, so pick dim / n_heads even."
-        )
-
-
-def attention_num_params(dim: int, n_heads: int, n_kv_heads: int) -> int:
-    """Exact parameter count of one ``Attention`` module (wq, wk, wv, wo; no biases)."""
-    head_dim = dim // n_heads
-    return 2 * dim * n_heads * head_dim + 2 * dim * n_kv_heads * head_dim
 
 
 def check_tokens(tokens: torch.Tensor, max_seq_len: int) -> None:

@@ -7,52 +7,20 @@ that a model built on a real device is usable without that step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from ckless_lightning.models.configs import Llama3Config
 from ckless_lightning.models.layers import (
     Attention,
     CausalLMOutput,
     FeedForward,
     RMSNorm,
     RotaryEmbedding,
-    attention_num_params,
     check_tokens,
-    check_transformer_dims,
 )
 
 __all__ = ["Llama3", "Llama3Config", "TransformerBlock"]
-
-
-@dataclass
-class Llama3Config:
-    """Architecture of a Llama 3 model; the published sizes are e.g. 8B = (4096, 32, 32, 8, 128256, 14336)."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    ffn_dim: int
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 8192
-
-    def __post_init__(self) -> None:
-        check_transformer_dims(self)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self) -> int:
-        """Exact parameter count, computed analytically (no model is built)."""
-        block = attention_num_params(self.dim, self.n_heads, self.n_kv_heads) + 3 * self.dim * self.ffn_dim
-        block += 2 * self.dim  # attention_norm, ffn_norm
-        embeddings_and_head = 2 * self.vocab_size * self.dim  # untied
-        return embeddings_and_head + self.n_layers * block + self.dim  # final norm
 
 
 class TransformerBlock(nn.Module):

@@ -7,8 +7,11 @@ plan, the strategy and the recovery loop all resolve the shape through
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads in build_mesh: resolve_mesh validates configs before torch is imported
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["MESH_DIM_NAMES", "build_mesh", "resolve_mesh"]
 
@@ -45,4 +48,6 @@ def resolve_mesh(
 
 def build_mesh(device: torch.device, shape: tuple[int, int]) -> DeviceMesh:
     """The job's ("replicate", "shard") mesh over the default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIM_NAMES)

@@ -11,72 +11,21 @@ expert order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckless_lightning.models.configs import MixtralConfig
 from ckless_lightning.models.layers import (
     Attention,
     CausalLMOutput,
     RMSNorm,
     RotaryEmbedding,
-    attention_num_params,
     check_tokens,
-    check_transformer_dims,
 )
 
 __all__ = ["Experts", "Mixtral", "MixtralBlock", "MixtralConfig", "MoE"]
-
-
-@dataclass
-class MixtralConfig:
-    """Architecture of a Mixtral model; 8x7B = (4096, 32, 32, 8, 32000, 14336) with 8 experts, top-2.
-
-    ``router_aux_loss_coef`` is not used by the model; it is the weight the
-    training loop gives ``CausalLMOutput.aux_loss``.
-    """
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    ffn_dim: int
-    rope_theta: float = 1000000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 32768
-    n_experts: int = 8
-    top_k: int = 2
-    router_aux_loss_coef: float = 0.02
-
-    def __post_init__(self) -> None:
-        check_transformer_dims(self)
-        for name in ("n_experts", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"MixtralConfig.{name}={value!r} must be a positive int.")
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"MixtralConfig.top_k={self.top_k} exceeds n_experts={self.n_experts}; "
-                "set top_k <= n_experts."
-            )
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0:
-            raise ValueError(
-                f"MixtralConfig.router_aux_loss_coef={coef!r} must be a number >= 0 (0 disables it)."
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self) -> int:
-        """Exact parameter count (all experts, not just the active ones), computed analytically."""
-        moe = self.dim * self.n_experts + self.n_experts * 3 * self.dim * self.ffn_dim  # gate + experts
-        block = attention_num_params(self.dim, self.n_heads, self.n_kv_heads) + moe + 2 * self.dim
-        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim
 
 
 class Experts(nn.Module):

@@ -9,55 +9,17 @@ plain FSDP over the ``"shard"`` dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
+from ckless_lightning.models.configs import FSDPConfig
 from ckless_lightning.models.llama3 import Llama3
 from ckless_lightning.models.mesh import MESH_DIM_NAMES
 from ckless_lightning.models.mixtral import Experts, Mixtral
 
 __all__ = ["FSDPConfig", "data_parallel_mesh", "fsdp_shard_dims", "parallelize_llama3", "parallelize_mixtral"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class FSDPConfig:
-    """FSDP2 settings: compute (``param_dtype``) and gradient-reduction dtypes by name, and resharding.
-
-    ``None`` dtypes keep the parameters' own dtype. ``reshard_after_forward``
-    applies to the transformer blocks; the root keeps FSDP's root default (not
-    resharded), since its parameters are needed first in backward.
-    """
-
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-    reshard_after_forward: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in _DTYPES:
-                raise ValueError(
-                    f"FSDPConfig.{name}={value!r} is not a supported dtype name; use one of "
-                    f"{sorted(_DTYPES)} or None."
-                )
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(
-                f"FSDPConfig.reshard_after_forward={self.reshard_after_forward!r} must be true or false."
-            )
-
-    def mp_policy(self) -> MixedPrecisionPolicy:
-        """The ``MixedPrecisionPolicy`` these names describe."""
-        return MixedPrecisionPolicy(
-            param_dtype=_DTYPES[self.param_dtype] if self.param_dtype else None,
-            reduce_dtype=_DTYPES[self.reduce_dtype] if self.reduce_dtype else None,
-        )
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -7,27 +7,51 @@ CPU with gloo, apart from the Lightning strategy that drives them.
 
 from __future__ import annotations
 
-from ckless_lightning.replication.fingerprint import StateFingerprint
-from ckless_lightning.replication.snapshots import FlatBuffer, LiveCapture, Snapshot, SnapshotCopies
+from typing import TYPE_CHECKING
+
 from ckless_lightning.replication.source_map import (
     RankReport,
     Rejected,
     SourceMap,
+    Transfer,
     buddy_rank,
     buddy_sources,
     buddy_survives_node_loss,
     default_buddy_offset,
     hsdp_sources,
 )
-from ckless_lightning.replication.transfer import (
-    DEFAULT_BUCKET_BYTES,
-    BucketLayout,
-    Transfer,
-    TransferError,
-    checksum,
-    transfer_bytes,
-    transfer_tensors,
-)
+from ckless_lightning.runtime.lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from ckless_lightning.replication.fingerprint import StateFingerprint
+    from ckless_lightning.replication.snapshots import FlatBuffer, LiveCapture, Snapshot, SnapshotCopies
+    from ckless_lightning.replication.transfer import (
+        DEFAULT_BUCKET_BYTES,
+        BucketLayout,
+        TransferError,
+        checksum,
+        transfer_bytes,
+        transfer_tensors,
+    )
+
+# Loaded on first use (they import torch): the config's checks use only the pure planner.
+_LAZY = {
+    **dict.fromkeys(("FlatBuffer", "LiveCapture", "Snapshot", "SnapshotCopies"), "snapshots"),
+    "StateFingerprint": "fingerprint",
+    **dict.fromkeys(
+        (
+            "DEFAULT_BUCKET_BYTES",
+            "BucketLayout",
+            "TransferError",
+            "checksum",
+            "transfer_bytes",
+            "transfer_tensors",
+        ),
+        "transfer",
+    ),
+}
+__getattr__ = lazy_attributes(__name__, _LAZY)
+
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

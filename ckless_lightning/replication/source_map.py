@@ -22,18 +22,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ckless_lightning.replication.transfer import Transfer
-
 __all__ = [
     "RankReport",
     "Rejected",
     "SourceMap",
+    "Transfer",
     "buddy_rank",
     "buddy_sources",
     "buddy_survives_node_loss",
     "default_buddy_offset",
     "hsdp_sources",
 ]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Copy ``src``'s tensors to ``dst`` (global ranks)."""
+
+    src: int
+    dst: int
+
 
 _FALLBACK = "falling back to the last disk checkpoint"
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ckless_lightning.replication.source_map import Transfer  # defined with the plans that list them
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "BucketLayout",
@@ -159,14 +161,6 @@ def _signature(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> int:
     """A positive int63 digest of the shapes, dtypes and bucket size (what the layout depends on)."""
     text = repr((bucket_bytes, [(tuple(t.shape), str(t.dtype)) for t in tensors]))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little") + 1
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Copy ``src``'s tensors to ``dst`` (global ranks)."""
-
-    src: int
-    dst: int
 
 
 class TransferError(RuntimeError):

@@ -99,7 +99,7 @@ class ClusterConfig:
             raise ValueError(f"cluster.launcher must be one of {_LAUNCHERS}, got {self.launcher!r}")
         if self.store is not None:
             _ = self.store_address  # raises on anything but "host:port"
-        from ckless_lightning.models.mesh import resolve_mesh  # torch: imported when a config is built
+        from ckless_lightning.models.mesh import resolve_mesh
 
         self.replicate, self.shard = resolve_mesh(
             self.world_size,
@@ -282,7 +282,7 @@ class CommConfig:
     Off (tier 0): rank 0 hosts the rendezvous store on a fresh port per
     generation, as torchrun's workers do.
 
-    Bounds (tiers 1+; README "Timeouts"): ``pg_timeout_s`` is torch's collective
+    Bounds (tiers 1+; docs/design.md "Every wait is bounded"): ``pg_timeout_s`` is torch's collective
     timeout; ``init_timeout_s`` bounds each store read while a generation's
     process groups form (a peer that died or stopped before publishing its
     address: the rank moves to the next generation); ``join_timeout_s`` bounds

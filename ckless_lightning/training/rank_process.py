@@ -58,6 +58,21 @@ __all__ = [
 # module a spare-born rank imports after its hand-over). A name that does not import (an optional
 # package, another torch version) is skipped.
 RANK_PATH_MODULES: tuple[str, ...] = (
+    # Our packages' lazily loaded names (runtime.lazy: launch.py validates without torch); before
+    # that, the packages imported these eagerly, so a spare had them before its hand-over.
+    "ckless_lightning.data.corpus",
+    "ckless_lightning.data.loader",
+    "ckless_lightning.data.packing",
+    "ckless_lightning.data.tokenizer",
+    "ckless_lightning.models.init",
+    "ckless_lightning.models.layers",
+    "ckless_lightning.models.llama3",
+    "ckless_lightning.models.mesh",
+    "ckless_lightning.models.mixtral",
+    "ckless_lightning.models.parallelize",
+    "ckless_lightning.replication.fingerprint",
+    "ckless_lightning.replication.snapshots",
+    "ckless_lightning.replication.transfer",
     "datasets",  # ckless_lightning.data.packing imports it where used (load_prepared: tiers 0-1)
     "encodings.latin_1",  # torch.load of a loop state holding bytes (pickle protocol 2 spells them so)
     "faulthandler",
