@@ -6,7 +6,8 @@
 Standard library only; runs in milliseconds. Nothing here ran on a GPU cluster. Each input is one of:
 
 - measured: a figure this project measured on CPU with gloo at toy scale (4 ranks, 2 cores, models of
-  a few MB), taken from the README (or ../shared/DESIGN.md) and labelled with where;
+  a few MB), taken from docs/benchmarks.md (or the team's design notes, not in this repository)
+  and labelled with where;
 - config: one of the project's defaults;
 - assumed: a stated guess about a GPU cluster (links, filesystem, scheduler, NCCL, the store);
 - published: someone else's figure (the Llama 3 report, AWS), labelled as theirs.
@@ -54,7 +55,7 @@ def defaults() -> dict[str, Input]:
         "hang_timeout_s": Input(60.0, "s", "config", "README, Timeouts: agent.hang_timeout's default"),
         "restart_agents_s": Input(0.08, "s", m, f"{_RB}: tier 1 restart 0.48 - detect 0.40"),
         "handover_s": Input(0.13, "s", m, f"{_RB}: tier 4 buddy restart 0.21 - detect 0.08 (warm spare)"),
-        "import_cold_s": Input(3.4, "s", m, "../shared/DESIGN.md: torch + Lightning import, one process"),
+        "import_cold_s": Input(3.4, "s", m, "team notes (not in this repo): torch + Lightning import"),
         "import_forked_s": Input(0.08, "s", m, "README, bench/startup.py, 2026-12-01: a forked rank"),
         "store_rtt_s": Input(0.000266, "s", m, f"{_RB}, figure 1: add + check on the local TCPStore"),
         "comm_t0_s": Input(1.04, "s", m, f"{_RB}: tier 0 'comm' (rendezvous through rank 0), 4 ranks"),
@@ -119,7 +120,7 @@ AWS = (
 AWS_KEYS = ("gpus", "label", "checkpoint_based", "checkpointless")
 AWS_SOURCE = (
     "AWS, SageMaker HyperPod checkpointless training (blog 2025-12-16: 15-30 min -> under 2 min, up to"
-    " 95% goodput on thousands of accelerators; 256 GPUs as quoted in ../shared/DESIGN.md)"
+    " 95% goodput on thousands of accelerators; 256 GPUs as quoted in the team's design notes)"
 )
 
 

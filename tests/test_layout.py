@@ -1,4 +1,6 @@
-"""The package's import rules (README "Layout"): no cycle, no import of an entry point, floors one way.
+"""The package's import rules: no cycle, no import of an entry point, floors one way.
+
+docs/design.md "Code layout" states them.
 
 Reads the source with ``ast`` (nothing is imported), so it is fast and sees
 imports inside functions too. Importing ``a.b.c`` from outside package ``a.b``

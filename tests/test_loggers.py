@@ -1,8 +1,8 @@
 """The ``logger`` config group: choices compose and validate, bad ones fail naming the key, each builds.
 
 The four choices of ``conf/logger/`` are built as rank 0 builds them (``build_logger``) and write
-where the README says: CSV and TensorBoard version folders, a W&B offline run, an MLflow database,
-all in the run dir.
+where docs/configuration.md "Loggers" says: CSV and TensorBoard version folders, a W&B offline
+run, an MLflow database, all in the run dir.
 """
 
 from __future__ import annotations

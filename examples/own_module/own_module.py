@@ -2,7 +2,7 @@
 
 Nothing here comes from ckless_lightning but one helper (``data_parallel_mesh``, the mesh to hand
 FSDP2): an MLP regressor on synthetic data, written as any Lightning user would. What the tiers
-need of it (README "Bring your own LightningModule"):
+need of it (docs/own_module.md):
 
 - ``configure_model`` shards the parameters with FSDP2 over the strategy's mesh
   (``self.device_mesh``), so that every rank holds a shard (tier 4 copies shards);
