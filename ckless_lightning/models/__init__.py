@@ -28,10 +28,10 @@ if TYPE_CHECKING:
     from ckless_lightning.models.mixtral import Mixtral
     from ckless_lightning.models.parallelize import (
         data_parallel_mesh,
-        fsdp_shard_dims,
         parallelize_llama3,
         parallelize_mixtral,
     )
+    from ckless_lightning.models.shard_dims import fsdp_shard_dims
 
 _LAZY = {
     "CausalLMOutput": "layers",
@@ -41,7 +41,7 @@ _LAZY = {
     "build_mesh": "mesh",
     "resolve_mesh": "mesh",
     "data_parallel_mesh": "parallelize",
-    "fsdp_shard_dims": "parallelize",
+    "fsdp_shard_dims": "shard_dims",
     "parallelize_llama3": "parallelize",
     "parallelize_mixtral": "parallelize",
     "init_draw_count": "init",

@@ -31,15 +31,19 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from ckless_lightning.models.layers import RMSNorm, RotaryEmbedding
 from ckless_lightning.models.llama3 import TransformerBlock
 from ckless_lightning.models.mixtral import MixtralBlock
+
+if TYPE_CHECKING:  # DTensor is imported where a DTensor is met: the launcher's memory plan counts
+    # the draws (init_draw_count) without it (its import is ~1 s of CPU)
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -124,18 +128,24 @@ def shard_slices(
     split it in mesh-dim order. ``None`` for placements other than
     ``Shard``/``Replicate`` (e.g. ``Partial``), whose local tensor is no slice.
     """
+    from torch.distributed.tensor import Replicate, Shard
+
     slices = [(0, size) for size in shape]
     for placement, ranks, coord in zip(placements, mesh_shape, coordinate, strict=True):
         if isinstance(placement, Replicate):
             continue
         if type(placement) is not Shard or len(shape) == 0:  # _StridedShard, Partial, ...
             return None
-        dim = placement.dim % len(shape)
-        start, stop = slices[dim]
-        size = stop - start
-        chunk = math.ceil(size / ranks)
-        slices[dim] = (start + min(coord * chunk, size), start + min((coord + 1) * chunk, size))
+        _chunk(slices, placement.dim % len(shape), ranks, coord)
     return slices
+
+
+def _chunk(slices: Slices, dim: int, ranks: int, coord: int) -> None:
+    """Narrow ``slices[dim]`` to chunk ``coord`` of ``ranks`` (``torch.chunk``'s split), in place."""
+    start, stop = slices[dim]
+    size = stop - start
+    chunk = math.ceil(size / ranks)
+    slices[dim] = (start + min(coord * chunk, size), start + min((coord + 1) * chunk, size))
 
 
 def _row_runs(shape: Sequence[int], slices: Slices) -> list[tuple[int, int]]:
@@ -287,6 +297,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"init_weights: seed={seed!r} must be an int in [0, 2**32).")
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     first_blocks, stds = _plan(model)
     seed_key = _mix32(seed)
 
@@ -341,8 +353,8 @@ def init_draw_count(
         if stds[stable_param_name(raw_name)] is None or param.numel() == 0:
             continue
         shape = tuple(param.shape)
-        placement = Shard(shard_dims.get(raw_name, 0)) if len(shape) else Replicate()
-        slices = shard_slices(shape, (shard_size,), (shard_rank,), (placement,))
-        assert slices is not None
+        slices = [(0, size) for size in shape]
+        if shape:  # FSDP2's Shard(dim) over the shard ranks (shard_slices' arithmetic, no DTensor)
+            _chunk(slices, shard_dims.get(raw_name, 0) % len(shape), shard_size, shard_rank)
         total += _drawn_elements(shape, slices)
     return total

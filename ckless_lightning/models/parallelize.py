@@ -17,7 +17,8 @@ from torch.distributed.tensor import Shard
 from ckless_lightning.models.configs import FSDPConfig
 from ckless_lightning.models.llama3 import Llama3
 from ckless_lightning.models.mesh import MESH_DIM_NAMES
-from ckless_lightning.models.mixtral import Experts, Mixtral
+from ckless_lightning.models.mixtral import Mixtral
+from ckless_lightning.models.shard_dims import fsdp_shard_dims
 
 __all__ = ["FSDPConfig", "data_parallel_mesh", "fsdp_shard_dims", "parallelize_llama3", "parallelize_mixtral"]
 
@@ -34,25 +35,6 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
             f"mesh_dim_names={MESH_DIM_NAMES})."
         )
     return mesh if mesh.size(0) > 1 else mesh["shard"]
-
-
-def fsdp_shard_dims(model: nn.Module, shard_size: int) -> dict[str, int]:
-    """The tensor dim FSDP2 shards each parameter on, by parameter name: 0, except expert weights.
-
-    Expert weights ``[E, ...]`` are sharded on dim 1 when ``shard_size`` (ranks in
-    the shard dim) divides it: with 8 experts over 32 or more ranks, dim 0 would
-    leave most ranks empty and a few holding whole experts (torchtitan does the
-    same without expert parallelism). FSDP2 shards only dim 0 unevenly, so an
-    expert weight whose dim 1 does not divide stays on dim 0. The memory plan
-    (``ckless_lightning.runtime.memory_plan``) uses the same map.
-    """
-    dims = {name: 0 for name, _ in model.named_parameters()}
-    for module_name, module in model.named_modules():
-        if isinstance(module, Experts):
-            for param_name, param in module.named_parameters(recurse=False):
-                if param.ndim > 1 and param.shape[1] % shard_size == 0:
-                    dims[f"{module_name}.{param_name}" if module_name else param_name] = 1
-    return dims
 
 
 def _shard_blocks_then_root(

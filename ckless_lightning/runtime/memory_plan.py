@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ckless_lightning.runtime.config import JobConfig
 
@@ -151,7 +152,7 @@ def plan_job(job: JobConfig) -> MemoryPlan:
         init_draws, init_ns = 0, 0.0
         unknowns = (f"the model: {job.script[0]} builds it (sizes, optimizer, init time are the script's)",)
     elif job.module.builtin:
-        with torch.device("meta"):
+        with torch.device("meta"), _ShapesOnly():
             model = build_model(job.model)
         dims = fsdp_shard_dims(model, shard)
         init_draws, init_ns = init_draw_count(model, dims, shard, shard_rank=0), INIT_NS_PER_ELEMENT
@@ -192,6 +193,26 @@ def plan_job(job: JobConfig) -> MemoryPlan:
     )
 
 
+class _ShapesOnly(TorchFunctionMode):
+    """A model built only to be measured needs no values: the ``torch.nn.init`` fills of its
+    constructors (and the module's own ``reset_parameters``) are skipped. On the meta device they
+    compute nothing, but the first one imports torch's Python reference kernels (``torch._refs``,
+    ~800 modules, about a second of CPU in every launch)."""
+
+    _FILLS = frozenset(
+        {"normal_", "uniform_", "zero_", "zeros_", "ones_", "fill_", "trunc_normal_", "kaiming_uniform_",
+         "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "constant_", "orthogonal_", "eye_"}
+    )  # fmt: skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self._FILLS:
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def _model_name(job: JobConfig, model: torch.nn.Module) -> str:
     if job.script is not None:
         return Path(job.script[0]).name
@@ -209,7 +230,7 @@ def _user_module_on_meta(job: JobConfig) -> tuple[torch.nn.Module, tuple[str, ..
         "weight init time: the module's own",
     ]
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _ShapesOnly():
             module = instantiate(job.module.to_mapping(), _convert_="all")
     except Exception as err:  # the user's constructor: the plan goes on without its sizes
         unknowns.insert(0, f"parameters: {target} could not be built on the meta device ({err})")

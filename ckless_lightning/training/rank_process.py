@@ -70,6 +70,7 @@ RANK_PATH_MODULES: tuple[str, ...] = (
     "ckless_lightning.models.mesh",
     "ckless_lightning.models.mixtral",
     "ckless_lightning.models.parallelize",
+    "ckless_lightning.models.shard_dims",
     "ckless_lightning.replication.fingerprint",
     "ckless_lightning.replication.snapshots",
     "ckless_lightning.replication.transfer",
