@@ -72,6 +72,7 @@ from ckless_lightning.agent.policies import (
     silence_limit,
 )
 from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped, reap
+from ckless_lightning.agent.store_look import StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
@@ -151,7 +152,7 @@ class NodeAgent:
         )
         self.lost_slots: dict[int, int | None] = {}  # rank -> the completed step its device is back after
         self._spares_due = False  # fill the spare pool once every local rank has done a step
-        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
+        self._look: StoreLook | None = None  # this agent's passes' look at the store, once it has one
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -180,6 +181,9 @@ class NodeAgent:
             self.store = None
             return ExitCode.CONFIG
         self.store_port = self.store.port
+        self._look = StoreLook(
+            self.store, node=self.node, nnodes=self.cluster.nnodes, node_timeout_s=self.cfg.node_timeout
+        )
         self.store.set_node_owner(self.node, self.agent_id)
         if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
             self.events.emit(
@@ -284,41 +288,27 @@ class NodeAgent:
 
     def _observe(self, gen: int) -> Observation:
         """One pass's look (after writing this agent's heartbeat, in ``gen``); acts on nothing."""
-        assert self.store is not None
+        assert self._look is not None
         now = time.time()
-        self.store.set_agent_heartbeat(self.node, gen)
-        giveup = self.store.giveup_reason() is not None
-        current = self.store.generation()
+        look = self._look.look(gen, [r for r in self.local_ranks if r not in self.lost_slots])
         codes = {rank: proc.poll() for rank, proc in self.ranks.items()}
         codes.update({rank: 0 for rank in self.finished})
-        beats = self.store.rank_heartbeats([r for r in self.local_ranks if r not in self.lost_slots])
         cfg = self.cfg
         stale = tuple(
             rank
-            for rank, beat in beats.items()
+            for rank, beat in look.beats.items()
             if codes[rank] is None
             and (now - beat.time > silence_limit(beat, cfg) or is_stopped(self.ranks[rank].pid))
         )
-        silent = []
-        for node in range(self.cluster.nnodes):
-            beat = None if node == self.node else self.store.agent_heartbeat(node)
-            if beat is None:
-                continue
-            node_gen, count = beat
-            seen = self._node_beats.get(node)
-            if seen is None or seen[0] != count:  # it beat since the last look: timed on our clock
-                self._node_beats[node] = (count, time.monotonic())
-            elif time.monotonic() - seen[1] > self.cfg.node_timeout:
-                silent.append((node, node_gen))
         return Observation(
             gen=gen,
             now=now,
-            giveup=giveup,
-            current=current,
+            giveup=look.giveup,
+            current=look.current,
             codes=codes,
-            beats=beats,
+            beats=look.beats,
             stale=stale,
-            silent_nodes=tuple(silent),
+            silent_nodes=look.silent_nodes,
         )
 
     def _tend(self, gen: int, beats: Mapping[int, Heartbeat]) -> None:

@@ -112,7 +112,7 @@ class GenerationWatch:
             return
         self.fired = True
         self.on_stuck()
-        if self._blocked_on_peers() and self.on_left_behind is not None:
+        if self.on_left_behind is not None and self._blocked_on_peers():
             self.on_left_behind()
 
     def _beat(self) -> None:

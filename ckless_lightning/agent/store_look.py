@@ -1,0 +1,62 @@
+"""What a node agent reads from (and writes to) the job store in one supervision pass.
+
+The node agent's pass and ``bench/control_plane.py``'s simulated agents call the same
+:meth:`StoreLook.look`, so the bench measures the store traffic the agent makes, not a model of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ckless_lightning.comm import Heartbeat, JobStore
+
+__all__ = ["Look", "StoreLook"]
+
+
+@dataclass(frozen=True)
+class Look:
+    """One pass's reading of the store."""
+
+    giveup: bool  # the job gave up (a reason is in the store)
+    current: int  # the job's generation
+    beats: dict[int, Heartbeat]  # the local ranks' heartbeats
+    silent_nodes: tuple[tuple[int, int], ...]  # (node, its generation): agents silent past node_timeout
+
+
+class StoreLook:
+    """Node ``node``'s agent's look at the store, pass after pass. Not thread-safe.
+
+    Other agents' liveness is a beat counter each bumps per pass; a counter that has not moved for
+    ``node_timeout_s`` on this agent's own clock makes that node silent (clocks of different
+    machines are never compared).
+    """
+
+    def __init__(self, store: JobStore, *, node: int, nnodes: int, node_timeout_s: float) -> None:
+        self.store = store
+        self.node = node
+        self.nnodes = nnodes
+        self.node_timeout_s = node_timeout_s
+        self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
+
+    def look(self, gen: int, local_ranks: Sequence[int]) -> Look:
+        """Beat this agent's heartbeat (in ``gen``), then read the job's state, ``local_ranks``'
+        heartbeats and the other agents' beats."""
+        store = self.store
+        store.set_agent_heartbeat(self.node, gen)
+        giveup = store.giveup_reason() is not None
+        current = store.generation()
+        beats = store.rank_heartbeats(list(local_ranks))
+        silent = []
+        for node in range(self.nnodes):
+            beat = None if node == self.node else store.agent_heartbeat(node)
+            if beat is None:
+                continue
+            node_gen, count = beat
+            seen = self._node_beats.get(node)
+            if seen is None or seen[0] != count:  # it beat since the last look: timed on our clock
+                self._node_beats[node] = (count, time.monotonic())
+            elif time.monotonic() - seen[1] > self.node_timeout_s:
+                silent.append((node, node_gen))
+        return Look(giveup, current, beats, tuple(silent))
