@@ -14,7 +14,9 @@ Standard library only; runs in milliseconds. Nothing here ran on a GPU cluster. 
 
 Every input has a flag (``--store-rps 100000``); ``--measured PATH`` reads a JSON object
 ``{"name": value}`` (or ``{"name": {"value": v, "origin": "..."}}``) to replace defaults, e.g. with a
-recovery bench run on GPUs; flags win over the file. ``--json PATH`` writes inputs and results.
+recovery bench run on GPUs, or ``bench/control_plane.py --json``'s rows (the store requests per
+rank-step and per recovery of its largest simulated job); flags win over the file. ``--json PATH``
+writes inputs and results.
 
 The model, per fault (one node's ranks lost at once; they are replaced in parallel):
 recovery = detect + restart + imports + store + comm + load + data + the first step's extra time, and
@@ -311,19 +313,47 @@ def report(v: dict[str, float], inputs: dict[str, Input], results: dict[int, dic
 
 def load_measured(path: Path, inputs: dict[str, Input]) -> None:
     data = json.loads(path.read_text())
+    if isinstance(data, list):  # bench/control_plane.py --json: the simulated jobs' rows
+        data = control_plane_inputs(data, path)
     for name, entry in data.items():
         if name not in inputs:
             raise SystemExit(f"--measured {path}: unknown input {name!r} (known: {', '.join(inputs)})")
         value, origin = (entry["value"], entry.get("origin")) if isinstance(entry, dict) else (entry, None)
         inputs[name].value = float(value)
+        inputs[name].kind = "measured"
         inputs[name].origin = f"--measured {path}" + (f": {origin}" if origin else "")
+
+
+def control_plane_inputs(rows: list[dict], path: Path) -> dict[str, dict]:
+    """The store inputs measured by ``bench/control_plane.py`` on its largest simulated job: every
+    store request per rank and step (vote, heartbeats, fingerprints, the agents' passes: all of them
+    in ``vote_trips``, so ``heartbeat_trips`` is 0) and a recovery's requests per rank."""
+    if not rows or not all("store_requests_per_rank_step" in row for row in rows):
+        raise SystemExit(f"--measured {path}: not a bench/control_plane.py --json file (a list of rows)")
+    row = max(rows, key=lambda r: r["ranks"])
+    where = f"bench/control_plane.py, {row['ranks']} simulated ranks, {row['step_ms']:g} ms steps"
+    return {
+        "vote_trips": {
+            "value": row["store_requests_per_rank_step"],
+            "origin": f"{where}: every store request per rank-step (heartbeats and agents included)",
+        },
+        "heartbeat_trips": {"value": 0, "origin": f"{where}: counted in vote_trips"},
+        "store_trips_t3": {
+            "value": row["recovery_store_requests"] / row["ranks"],
+            "origin": f"{where}: a recovery's store requests (no process groups) per rank",
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     inputs = defaults()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="also write inputs and results here")
-    parser.add_argument("--measured", type=Path, help="JSON {name: value} replacing default inputs")
+    parser.add_argument(
+        "--measured",
+        type=Path,
+        help="JSON {name: value} replacing default inputs, or bench/control_plane.py's --json rows",
+    )
     parser.add_argument("--scales", type=int, nargs="+", default=list(SCALES))
     parser.add_argument("--tier4-source", choices=("hsdp", "buddy"), default="hsdp")
     for name, item in inputs.items():

@@ -1,0 +1,432 @@
+"""The job's control plane at scale, without training: N simulated ranks against the real job store.
+
+    python bench/control_plane.py [--ranks 8 64 256 1024] [--ranks-per-node 8] [--step-ms 100]
+                                  [--steps 30] [--kill-step 15] [--tier 4] [--json PATH]
+
+Everything that is not the model runs as the job runs it, one thread per simulated rank and per
+simulated node agent, in this process, against a real ``TCPStore`` hosting the job store:
+
+- each rank joins generation 0 through :class:`GenerationSession` (the join barrier), holds a
+  :class:`GenerationWatch` on a second store connection, and per step sleeps ``--step-ms`` (the
+  step's compute), beats twice (:class:`HeartbeatCallback`, as at a batch's start and end), votes
+  (:class:`StepCommit`) and, at tier 4, records its state fingerprint (``JobStore.record_state``),
+  and reports where it is once a second (``JobStore.set_rank_where``, as ``WhereReporter`` does when
+  the place changed);
+- each node agent (``--ranks-per-node`` ranks) makes the supervision pass's store look every
+  ``agent.monitor_interval`` (0.1 s; :class:`StoreLook`, the node agent's own code), and when one
+  of its ranks dies, moves the job to the next generation (``JobStore.advance_generation``) and
+  starts a replacement rank (new connections; heartbeat and membership written as the agent does);
+- one rank dies before its vote on ``--kill-step`` (its thread ends; a real rank's process would);
+  the others find out in the vote, leave, and join the next generation with the replacement.
+
+Not simulated: process groups (their formation through the store is torch's: gloo's full mesh
+costs O(world) store requests per rank; ``bench/scale_model.py`` models it), tier 4's state
+transfer, data. Requests are counted at the store's door: every client connection of the simulated
+job is a ``CountingStore`` around a ``TCPStore`` client, which counts each request it sends (a
+``multi_get`` of k keys is one request). The store's own host connection is not used by the job.
+
+Per N it prints: store requests per rank-step (steady state: from the 5th step to the one before
+the fault), requests per second at the store, the vote's latency (p50, p99: from a rank's vote to
+its decision, which includes waiting for the last voter), the agent's store look (p50 time), and
+for the killed rank: the time from its death to every rank having joined the next generation, and
+the store requests in that window (all of the job's, per node too). The simulator shares this
+machine's cores with the store: ``sim_cpu_s`` is the process's CPU time per wall second over the
+steady window (2.0 = both cores of a 2-core machine busy), so that a latency can be read against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch.distributed import Store, TCPStore  # noqa: E402
+
+from ckless_lightning.agent.store_look import StoreLook  # noqa: E402
+from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore  # noqa: E402
+from ckless_lightning.comm.store import connect_store  # noqa: E402
+from ckless_lightning.recovery.commit import StepCommit  # noqa: E402
+from ckless_lightning.recovery.session import GenerationSession  # noqa: E402
+from ckless_lightning.recovery.watch import GenerationWatch  # noqa: E402
+from ckless_lightning.training.callbacks.heartbeat import HeartbeatCallback  # noqa: E402
+
+SECRET = "control-plane-bench"
+MONITOR_INTERVAL_S = 0.1  # agent.monitor_interval's default
+WHERE_INTERVAL_S = 1.0  # WhereReporter's interval
+FINGERPRINT_RING = 4  # tier 4, replication.every_n_steps=1: SnapshotCopies.fingerprint_ring
+
+
+class CountingStore(Store):
+    """A ``TCPStore`` client that counts the requests it sends (shared ``counts``, by kind)."""
+
+    def __init__(self, inner: TCPStore, counts: Counter[str], lock: threading.Lock) -> None:
+        super().__init__()
+        self._inner = inner
+        self._counts = counts
+        self._lock = lock
+
+    @property
+    def host(self) -> str:
+        return self._inner.host
+
+    @property
+    def port(self) -> int:
+        return self._inner.port
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self._counts[kind] += 1
+
+    def set(self, key: str, value: Any) -> None:
+        self._count("set")
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count("get")
+        return self._inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._count("add")
+        return self._inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._count("compare_set")
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        self._count("check")
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._count("wait")
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count("multi_get")
+        return self._inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._count("multi_set")
+        self._inner.multi_set(keys, values)
+
+    def delete_key(self, key: str) -> bool:
+        self._count("delete_key")
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        self._count("num_keys")
+        return self._inner.num_keys()
+
+
+@dataclass
+class Row:
+    """One simulated job's figures (``--json`` writes a list of these)."""
+
+    ranks: int
+    nodes: int
+    step_ms: float
+    store_requests_per_rank_step: float
+    store_requests_per_s: float
+    requests_by_kind: dict[str, float]  # per rank-step, steady state
+    vote_p50_s: float
+    vote_p99_s: float
+    agent_look_p50_s: float
+    recovery_s: float
+    recovery_store_requests: int
+    recovery_store_requests_per_node: float
+    sim_cpu_s: float  # this process's CPU seconds per wall second in the steady window
+    connections: int
+
+
+@dataclass
+class Job:
+    """The simulated job: the store, its counted clients, and what the threads record."""
+
+    world: int
+    per_node: int
+    step_s: float
+    steps: int
+    kill_step: int
+    tier: int
+    host: TCPStore = field(init=False)
+    counts: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    connections: int = 0
+    votes: list[tuple[float, float]] = field(default_factory=list)  # (monotonic end, seconds)
+    looks: list[float] = field(default_factory=list)
+    step_started: dict[int, float] = field(default_factory=dict)  # step -> first rank's monotonic start
+    joined_after_fault: dict[int, float] = field(default_factory=dict)  # rank -> monotonic join time
+    fault_at: float | None = None
+    fault_counts: Counter[str] | None = None
+    recovered_counts: Counter[str] | None = None  # once every rank joined the next generation
+    dead: set[int] = field(default_factory=set)
+    done: threading.Event = field(default_factory=threading.Event)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.host = connect_store("127.0.0.1", 0, is_master=True)
+        JobStore(self.host, secret=SECRET)._tcp.set("job", "1")  # as JobStore.host does
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.per_node
+
+    def client(self) -> JobStore:
+        """A new counted connection to the job store (each rank has two, each agent one)."""
+        with self.lock:
+            self.connections += 1
+        inner = connect_store("127.0.0.1", self.host.port, is_master=False)
+        return JobStore(CountingStore(inner, self.counts, self.lock), secret=SECRET)  # type: ignore[arg-type]
+
+    def snapshot(self) -> Counter[str]:
+        with self.lock:
+            return Counter(self.counts)
+
+
+class SimRank(threading.Thread):
+    """One rank: join, then steps (sleep, beats, vote, fingerprint) across generations."""
+
+    def __init__(self, job: Job, rank: int, *, generation: int = 0, first_step: int = 1) -> None:
+        super().__init__(name=f"rank{rank}", daemon=True)
+        self.job = job
+        self.rank = rank
+        self.store = job.client()
+        self.waiter = job.client()
+        self.session = GenerationSession(
+            self.store, rank=rank, world_size=job.world, generation=generation, join_timeout_s=600
+        )
+        self.session.completed_step = first_step - 1
+        self.replacement = generation > 0
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as err:  # a bench thread's failure is reported in the table's place
+            self.job.errors.append(f"rank {self.rank}: {type(err).__name__}: {err}")
+            self.job.done.set()
+
+    def _run(self) -> None:
+        job, rank = self.job, self.rank
+        gen = self._join()
+        step = self.session.completed_step + 1
+        next_where = time.monotonic() + WHERE_INTERVAL_S
+        while step <= job.steps:
+            generation = Generation(self.store, gen, rank, job.world, (1, job.world))
+            commit = StepCommit(generation)
+            beats = HeartbeatCallback(self.store, rank=rank, generation=gen)
+            watch = GenerationWatch(self.store, gen, rank, waiter=self.waiter, on_stuck=lambda: None)
+            watch.start()
+            try:
+                while step <= job.steps:
+                    job.step_started.setdefault(step, time.monotonic())
+                    beats.beat(step - 1)  # on_train_batch_start
+                    time.sleep(job.step_s)  # the step's compute
+                    if step == job.kill_step and rank == 1 and not self.replacement:
+                        self._die(watch)
+                        return
+                    start = time.perf_counter()
+                    commit.vote(step)
+                    job.votes.append((time.monotonic(), time.perf_counter() - start))
+                    beats.beat(step)  # on_train_batch_end
+                    if job.tier >= 4:
+                        self.store.record_state(rank, step, f"{step} {gen} 0 0", ring=FINGERPRINT_RING)
+                    if time.monotonic() >= next_where:
+                        self.store.set_rank_where(rank, "running" if step % 2 else "data")
+                        next_where = time.monotonic() + WHERE_INTERVAL_S
+                    self.session.completed_step = step
+                    step += 1
+            except GenerationChanged:
+                watch.stop()
+                self.session.leave()
+                gen = self._join()
+                step = self.session.completed_step + 1  # the abandoned step is done again
+                continue
+            watch.stop()
+        if rank == 0:
+            job.done.set()
+
+    def _join(self) -> int:
+        gen = self.session.join()
+        job = self.job
+        if job.fault_at is not None:
+            with job.lock:
+                job.joined_after_fault[self.rank] = time.monotonic()
+                last = len(job.joined_after_fault) == job.world
+            if last:
+                job.recovered_counts = job.snapshot()
+        return gen
+
+    def _die(self, watch: GenerationWatch) -> None:
+        """The rank's process ends: no more requests of its own (its watch's pending wait dies too)."""
+        job = self.job
+        watch._stop.set()  # a dead process's watch thread dies with it; here it just returns on its wake-up
+        job.fault_counts = job.snapshot()
+        job.fault_at = time.monotonic()
+        with job.lock:
+            job.dead.add(self.rank)
+
+
+class SimAgent(threading.Thread):
+    """One node's agent: a store look per pass; replaces a rank of its node that died."""
+
+    def __init__(self, job: Job, node: int) -> None:
+        super().__init__(name=f"agent{node}", daemon=True)
+        self.job = job
+        self.node = node
+        self.store = job.client()
+        self.local = list(range(node * job.per_node, (node + 1) * job.per_node))
+        self.look = StoreLook(self.store, node=node, nnodes=job.nodes, node_timeout_s=30.0)
+
+    def run(self) -> None:
+        job, gen = self.job, 0
+        try:
+            while not job.done.is_set():
+                start = time.perf_counter()
+                look = self.look.look(gen, self.local)
+                job.looks.append(time.perf_counter() - start)
+                gen = max(gen, look.current)
+                with job.lock:
+                    lost = [r for r in self.local if r in job.dead]
+                    job.dead.difference_update(lost)
+                for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
+                    gen = self.store.advance_generation(gen, world_size=job.world)
+                    self.store.set_rank_heartbeat(rank, Heartbeat(gen, -1, time.time()))
+                    self.store.set_member(rank, gen)
+                    SimRank(job, rank, generation=gen, first_step=job.kill_step).start()
+                time.sleep(MONITOR_INTERVAL_S)
+        except Exception as err:  # a bench thread's failure is reported in the table's place
+            job.errors.append(f"agent {self.node}: {type(err).__name__}: {err}")
+            job.done.set()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def simulate(world: int, *, per_node: int, step_ms: float, steps: int, kill_step: int, tier: int) -> Row:
+    """Run one simulated job of ``world`` ranks to its end; its figures."""
+    if world % per_node:
+        raise SystemExit(f"--ranks {world} is not a multiple of --ranks-per-node {per_node}")
+    if not 6 < kill_step < steps:
+        raise SystemExit(f"--kill-step {kill_step} must be in 7..{steps - 1} (a steady window before it)")
+    job = Job(world, per_node, step_ms / 1000.0, steps, kill_step, tier)
+    ranks = [SimRank(job, r) for r in range(world)]
+    agents = [SimAgent(job, n) for n in range(job.nodes)]
+    for thread in (*agents, *ranks):
+        thread.start()
+    steady_from, steady_to = 5, kill_step - 1
+    window: dict[str, Any] = {}
+    while not job.done.wait(0.01):
+        if "start" not in window and steady_from in job.step_started:
+            window.update(start=time.monotonic(), cpu=time.process_time(), counts=job.snapshot())
+        if "end" not in window and steady_to + 1 in job.step_started:
+            window.update(end=time.monotonic(), cpu_end=time.process_time(), counts_end=job.snapshot())
+    if job.errors:
+        raise SystemExit(f"{world} ranks: " + "; ".join(job.errors[:3]))
+    for rank in ranks:
+        rank.join(timeout=60)
+    wall = window["end"] - window["start"]
+    rank_steps = world * (steady_to + 1 - steady_from)
+    steady = window["counts_end"] - window["counts"]
+    total = sum(steady.values())
+    assert job.fault_at is not None and job.fault_counts is not None and job.recovered_counts is not None
+    recovered_at = max(job.joined_after_fault.values())
+    recovery_requests = sum((job.recovered_counts - job.fault_counts).values())
+    steady_votes = [s for t, s in job.votes if window["start"] <= t <= window["end"]]
+    return Row(
+        ranks=world,
+        nodes=job.nodes,
+        step_ms=step_ms,
+        store_requests_per_rank_step=total / rank_steps,
+        store_requests_per_s=total / wall,
+        requests_by_kind={k: v / rank_steps for k, v in sorted(steady.items())},
+        vote_p50_s=_percentile(steady_votes, 0.5),
+        vote_p99_s=_percentile(steady_votes, 0.99),
+        agent_look_p50_s=_percentile(job.looks, 0.5),
+        recovery_s=recovered_at - job.fault_at,
+        recovery_store_requests=recovery_requests,
+        recovery_store_requests_per_node=recovery_requests / job.nodes,
+        sim_cpu_s=(window["cpu_end"] - window["cpu"]) / wall,
+        connections=job.connections,
+    )
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--step-ms", type=float, default=100.0)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-step", type=int, default=15)
+    parser.add_argument("--tier", type=int, choices=(3, 4), default=4)
+    parser.add_argument("--json", type=Path, help="write the rows here (a JSON list)")
+    args = parser.parse_args(argv)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two connections per rank, both ends here
+    threading.stack_size(256 * 1024)  # thousands of threads
+    rows = []
+    for world in args.ranks:
+        print(f"simulating {world} ranks ({world // args.ranks_per_node} nodes) ...", file=sys.stderr)
+        row = simulate(
+            world,
+            per_node=args.ranks_per_node,
+            step_ms=args.step_ms,
+            steps=args.steps,
+            kill_step=args.kill_step,
+            tier=args.tier,
+        )
+        rows.append(row)
+        print(
+            f"  {row.store_requests_per_rank_step:.2f} requests per rank-step, "
+            f"vote p99 {row.vote_p99_s * 1000:.1f} ms, recovery {row.recovery_s:.2f} s",
+            file=sys.stderr,
+        )
+    print(_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return rows
+
+
+def _table(rows: list[Row]) -> str:
+    head = (
+        f"{'ranks':>6} {'nodes':>5} {'req/rank-step':>13} {'req/s':>9} {'vote p50':>9} {'vote p99':>9} "
+        f"{'look p50':>9} {'recovery':>9} {'rec. req':>9} {'req/node':>9} {'sim cpu':>8}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r.ranks:>6} {r.nodes:>5} {r.store_requests_per_rank_step:>13.2f} "
+            f"{r.store_requests_per_s:>9.0f} {r.vote_p50_s * 1e3:>7.1f}ms {r.vote_p99_s * 1e3:>7.1f}ms "
+            f"{r.agent_look_p50_s * 1e3:>7.2f}ms {r.recovery_s:>8.2f}s {r.recovery_store_requests:>9} "
+            f"{r.recovery_store_requests_per_node:>9.1f} {r.sim_cpu_s:>8.2f}"
+        )
+    kinds = sorted({k for r in rows for k in r.requests_by_kind})
+    lines.append("")
+    lines.append("requests per rank-step by kind: " + ", ".join(kinds))
+    for r in rows:
+        lines.append(f"{r.ranks:>6}: " + "  ".join(f"{k} {r.requests_by_kind.get(k, 0):.2f}" for k in kinds))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

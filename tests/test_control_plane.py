@@ -1,0 +1,44 @@
+"""bench/control_plane.py: a small simulated job runs, its counts add up, and the scale model reads them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+@pytest.mark.timeout(180)
+def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(tmp_path: Path) -> None:
+    """Two nodes of 8 simulated ranks, one killed: every rank reaches the next generation, the
+    store requests are counted (votes, heartbeats, fingerprints, the agents' looks), and
+    ``scale_model.py --measured`` takes the rows as measured inputs."""
+    rows_path = tmp_path / "rows.json"
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "control_plane.py"), "--ranks", "16", "--steps", "12",
+         "--kill-step", "8", "--step-ms", "20", "--json", str(rows_path)],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(rows_path.read_text())
+    assert (row["ranks"], row["nodes"]) == (16, 2)
+    kinds = row["requests_by_kind"]
+    # Each rank-step: two heartbeats and a fingerprint (sets), a vote (add); the agents' looks on top.
+    assert kinds["set"] >= 3 and kinds["add"] >= 1
+    assert row["store_requests_per_rank_step"] >= 4
+    assert 0 < row["vote_p50_s"] <= row["vote_p99_s"]
+    assert 0 < row["recovery_s"] < 30 and row["recovery_store_requests"] > 16
+    assert "req/rank-step" in run.stdout
+
+    model = subprocess.run(
+        [sys.executable, str(BENCH / "scale_model.py"), "--measured", str(rows_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert model.returncode == 0, model.stderr
+    line = next(line for line in model.stdout.splitlines() if line.startswith("vote_trips"))
+    assert "measured" in line and "bench/control_plane.py, 16 simulated ranks" in line
