@@ -45,11 +45,9 @@ class StandbyWatch:
                 return None
             now = time.monotonic()
             gen = self.store.generation()
-            for node in range(self.nnodes):
-                beat = self.store.agent_heartbeat(node)
-                if beat is None or self.store.node_done(gen, node):
-                    continue  # not started yet, or finished: nothing to replace
-                _, count = beat
+            for node, (_, count) in self.store.agent_heartbeats(list(range(self.nnodes))).items():
+                if self.store.node_done(gen, node):
+                    continue  # finished: nothing to replace (a node not started yet has no beat)
                 if node not in seen or seen[node][0] != count:
                     seen[node] = (count, now)
                 elif now - seen[node][1] > self.node_timeout_s and self.store.claim_node(

@@ -30,7 +30,8 @@ class StoreLook:
 
     Other agents' liveness is a beat counter each bumps per pass; a counter that has not moved for
     ``node_timeout_s`` on this agent's own clock makes that node silent (clocks of different
-    machines are never compared).
+    machines are never compared). A pass costs the store the same few requests for any number of
+    nodes (:meth:`JobStore.agent_heartbeats` reads all of them at once).
     """
 
     def __init__(self, store: JobStore, *, node: int, nnodes: int, node_timeout_s: float) -> None:
@@ -49,11 +50,8 @@ class StoreLook:
         current = store.generation()
         beats = store.rank_heartbeats(list(local_ranks))
         silent = []
-        for node in range(self.nnodes):
-            beat = None if node == self.node else store.agent_heartbeat(node)
-            if beat is None:
-                continue
-            node_gen, count = beat
+        others = [node for node in range(self.nnodes) if node != self.node]
+        for node, (node_gen, count) in store.agent_heartbeats(others).items():
             seen = self._node_beats.get(node)
             if seen is None or seen[0] != count:  # it beat since the last look: timed on our clock
                 self._node_beats[node] = (count, time.monotonic())

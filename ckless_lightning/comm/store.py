@@ -325,10 +325,28 @@ class JobStore:
 
     def agent_heartbeat(self, node: int) -> tuple[int, int] | None:
         """``node``'s agent's (generation, beat count); None before its first beat."""
-        key = f"agent/{node}"
-        if not self._tcp.check([key]):
-            return None
-        return int(self._tcp.get(key)), self._tcp.add(f"{key}/beats", 0)
+        return self.agent_heartbeats([node]).get(node)
+
+    def agent_heartbeats(self, nodes: list[int]) -> dict[int, tuple[int, int]]:
+        """Each of ``nodes``' agents' (generation, beat count), for those that beat at least once.
+
+        Two requests for any number of nodes once every one of them has beaten (one ``check`` of
+        all their keys, one ``multi_get`` of their generations and counters); before that, the
+        nodes not yet seen are checked one by one."""
+        if not nodes:
+            return {}
+        keys = [f"agent/{node}" for node in nodes]
+        counters = [f"{key}/beats" for key in keys]
+        present = list(nodes)
+        if not self._tcp.check([*keys, *counters]):
+            present = [n for n, k, c in zip(nodes, keys, counters, strict=True) if self._tcp.check([k, c])]
+            if not present:
+                return {}
+            keys = [f"agent/{node}" for node in present]
+            counters = [f"{key}/beats" for key in keys]
+        values = self._tcp.multi_get([*keys, *counters])  # a counter (add) reads as its decimal digits
+        half = len(present)
+        return {node: (int(values[i]), int(values[half + i])) for i, node in enumerate(present)}
 
     # -- node ownership (standby agents) -------------------------------------
     def set_node_owner(self, node: int, agent_id: str) -> None:
