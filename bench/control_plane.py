@@ -341,8 +341,8 @@ def simulate(world: int, *, per_node: int, step_ms: float, steps: int, kill_step
             window.update(end=time.monotonic(), cpu_end=time.process_time(), counts_end=job.snapshot())
     if job.errors:
         raise SystemExit(f"{world} ranks: " + "; ".join(job.errors[:3]))
-    for rank in ranks:
-        rank.join(timeout=60)
+    for thread in (*ranks, *agents):
+        thread.join(timeout=60)
     wall = window["end"] - window["start"]
     rank_steps = world * (steady_to + 1 - steady_from)
     steady = window["counts_end"] - window["counts"]
@@ -429,4 +429,14 @@ def _table(rows: list[Row]) -> str:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # c10d looks up the name of every client socket's address (for its messages); the address is
+    # IPv4-mapped IPv6, which /etc/hosts does not name, so each connect asks DNS. A resolver that
+    # drops a burst of such queries stalls the connect for its timeout (5 s per ~50 connections on
+    # the machine this was written on): 1 s, one try, keeps thousands of connections quick.
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     main()
+    # Threads of the last job still blocked in the store's C++ calls would abort the interpreter's
+    # shutdown (std::terminate); everything is printed and written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
