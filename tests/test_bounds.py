@@ -5,6 +5,7 @@
   generation unchanged they fail after ``comm.init_timeout_s``, naming the key.
 - The join barrier (``GenerationSession.join``) gives the job up after ``comm.join_timeout_s``.
 - Heartbeats carry their phase; the agent's silence limit follows it.
+- The step vote abandons a step of a generation the job left, whoever votes last.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 import torch.distributed as dist
 
 from ckless_lightning.agent.policies import silence_limit
-from ckless_lightning.comm import GenerationChanged, Heartbeat, JobStore
+from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore
+from ckless_lightning.recovery.commit import StepCommit
 from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
 from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.runtime.config import AgentConfig
@@ -258,3 +260,32 @@ def test_generation_watch_leaves_a_computing_or_leaving_rank_alone(store):
         time.sleep(stop_after)
         watch.stop()  # the rank leaves (for "peers": before exit_after_s passed)
         assert not ended, where
+
+
+def test_the_vote_that_completes_the_count_abandons_a_step_of_a_generation_the_job_left(store):
+    """A grow moves the job while its ranks train: the last voter of the step decides ``abandon``,
+    so every rank leaves at the vote (between collectives), not from the watch's cut in one."""
+    gen = store.generation()
+    commits = [StepCommit(Generation(store, gen, rank, 2, (2, 1))) for rank in range(2)]
+    decided: dict[int, BaseException | None] = {}
+
+    def vote(rank: int, step: int) -> None:
+        try:
+            commits[rank].vote(step)
+            decided[rank] = None
+        except GenerationChanged as err:
+            decided[rank] = err
+
+    for step in (1, 2):
+        if step == 2:
+            store.advance_generation(gen, world_size=2)  # the move lands between steps 1 and 2
+        waiter = threading.Thread(target=vote, args=(0, step))
+        waiter.start()
+        time.sleep(0.005)  # whichever votes second completes the count; the waiter reads the
+        vote(1, step)  # generation only every 20 ms, so at step 2 the decision is the completer's
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        if step == 1:
+            assert decided == {0: None, 1: None} and store.decision(gen, 1) == b"commit"
+    assert store.decision(gen, 2) == b"abandon"
+    assert all(isinstance(decided[r], GenerationChanged) for r in (0, 1)), decided

@@ -36,7 +36,7 @@ from ckless_lightning.runtime.checkpointing import checkpoint_name
 from ckless_lightning.training._lightning_compat import rescale_micro_batches
 
 STEPS = 12  # the 2x2 job (TINY_HSDP_REFERENCE's length)
-TRIPLE_STEPS = 16  # the 3x1 job: room for the rejoin (a few steps at most) before the last step
+TRIPLE_STEPS = 20  # the 3x1 job: room for the rejoin (a slow hand-over took 1.2 s) before the last step
 LOSS_RTOL = 1e-4  # per step, relative; measured: at most 1.1e-7 (the steps that change width)
 STATE_ATOL = 1e-4  # final weights and Adam moments; measured: at most ~1e-7
 ELASTIC = (

@@ -5,9 +5,12 @@ gradients are complete and clipped, a rank counts its vote for the step
 (:meth:`JobStore.vote`); the rank whose vote makes it ``world_size`` decides
 ``commit`` (:meth:`JobStore.decide`). Waiting ranks poll the decision and the
 job's generation. A rank that sees the generation move on decides ``abandon``
-instead. Both writes are ``compare_set`` from "no value", so exactly one
-decision exists per step and every rank obeys the same one: either every live
-rank applies the step or none does.
+instead, and so does the rank whose vote completes the count when the generation
+has moved: every rank then leaves at this vote, between collectives (an elastic
+grow moves the job while its ranks train; without this they would learn of it only
+from the generation watch's cut, in the middle of a collective). Both writes are
+``compare_set`` from "no value", so exactly one decision exists per step and every
+rank obeys the same one: either every live rank applies the step or none does.
 
 With a state digest (HSDP, :mod:`~ckless_lightning.recovery.digest`), each rank posts the
 digest of its state before its vote counts, and the deciding rank compares the replicas of
@@ -89,7 +92,11 @@ class StepCommit:
         if self.digest is not None and state is not None:
             store.post_digest(gen, step, self.generation.rank, self.digest.of(state(), step))
         if store.vote(gen, step) >= self.generation.world_size:
-            decision = store.decide(gen, step, self._judge(step))
+            # The last voter commits only in a current generation: ranks learn of a move (an
+            # elastic grow, a rank leaving) at their next vote, between collectives, not from the
+            # watch's cut in the middle of one.
+            moved = store.generation() != gen
+            decision = store.decide(gen, step, "abandon" if moved else self._judge(step))
         else:
             decision = self._wait(step)
         self.wait_s += time.perf_counter() - start
