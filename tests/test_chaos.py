@@ -61,7 +61,7 @@ def test_chaos_kills_and_stops_of_any_process_at_any_time_end_bitwise(
         "agent.recovery_timeout=120",
         "checkpoint.every_n_steps=3",  # a rank and its buddy (or both replicas) lost together: the disk
         "fault=chaos",
-        "fault.mtbf_s=2.5",
+        "fault.mtbf_s=1.5",  # the job is ~6 s of steps here: enough arrivals to hit >= 3
         "fault.max_faults=8",
         f"fault.seed={seed}",
         "agent.max_restarts=30",
