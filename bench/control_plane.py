@@ -163,6 +163,7 @@ class Job:
     steps: int
     kill_step: int
     tier: int
+    blocking_vote: bool = True  # False: waiting votes poll the decision (the design before)
     host: TCPStore = field(init=False)
     counts: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -207,6 +208,7 @@ class SimRank(threading.Thread):
         self.rank = rank
         self.store = job.client()
         self.waiter = job.client()
+        self.vote_waiter = job.client() if job.blocking_vote else None  # what a waiting vote blocks in
         self.session = GenerationSession(
             self.store, rank=rank, world_size=job.world, generation=generation, join_timeout_s=600
         )
@@ -227,9 +229,16 @@ class SimRank(threading.Thread):
         next_where = time.monotonic() + WHERE_INTERVAL_S
         while step <= job.steps:
             generation = Generation(self.store, gen, rank, job.world, (1, job.world))
-            commit = StepCommit(generation)
+            commit = StepCommit(generation, waiter=self.vote_waiter)
             beats = HeartbeatCallback(self.store, rank=rank, generation=gen)
-            watch = GenerationWatch(self.store, gen, rank, waiter=self.waiter, on_stuck=lambda: None)
+            watch = GenerationWatch(
+                self.store,
+                gen,
+                rank,
+                waiter=self.waiter,
+                on_stuck=lambda: None,
+                on_moved=commit.job_left if self.vote_waiter is not None else None,
+            )
             watch.start()
             try:
                 while step <= job.steps:
@@ -321,13 +330,22 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def simulate(world: int, *, per_node: int, step_ms: float, steps: int, kill_step: int, tier: int) -> Row:
+def simulate(
+    world: int,
+    *,
+    per_node: int,
+    step_ms: float,
+    steps: int,
+    kill_step: int,
+    tier: int,
+    blocking_vote: bool = True,
+) -> Row:
     """Run one simulated job of ``world`` ranks to its end; its figures."""
     if world % per_node:
         raise SystemExit(f"--ranks {world} is not a multiple of --ranks-per-node {per_node}")
     if not 6 < kill_step < steps:
         raise SystemExit(f"--kill-step {kill_step} must be in 7..{steps - 1} (a steady window before it)")
-    job = Job(world, per_node, step_ms / 1000.0, steps, kill_step, tier)
+    job = Job(world, per_node, step_ms / 1000.0, steps, kill_step, tier, blocking_vote)
     ranks = [SimRank(job, r) for r in range(world)]
     agents = [SimAgent(job, n) for n in range(job.nodes)]
     for thread in (*agents, *ranks):
@@ -377,10 +395,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-step", type=int, default=15)
     parser.add_argument("--tier", type=int, choices=(3, 4), default=4)
+    parser.add_argument(
+        "--vote",
+        choices=("wait", "poll"),
+        default="wait",
+        help="how a waiting vote learns the decision: blocked in the store (today) or polling (before)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here (a JSON list)")
     args = parser.parse_args(argv)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two connections per rank, both ends here
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # three connections per rank, both ends here
     threading.stack_size(256 * 1024)  # thousands of threads
     rows = []
     for world in args.ranks:
@@ -392,6 +416,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             steps=args.steps,
             kill_step=args.kill_step,
             tier=args.tier,
+            blocking_vote=args.vote == "wait",
         )
         rows.append(row)
         print(

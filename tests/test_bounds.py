@@ -289,3 +289,38 @@ def test_the_vote_that_completes_the_count_abandons_a_step_of_a_generation_the_j
             assert decided == {0: None, 1: None} and store.decision(gen, 1) == b"commit"
     assert store.decision(gen, 2) == b"abandon"
     assert all(isinstance(decided[r], GenerationChanged) for r in (0, 1)), decided
+
+
+def test_a_waiting_vote_blocks_in_the_store_until_its_watch_abandons_the_step(store):
+    """With a waiter client the vote does not poll: rank 0 blocks on the decision key; the job
+    moves while rank 1 is still computing; rank 0's generation watch decides ``abandon`` and rank
+    0 leaves within the watch's wake-up, not after the vote's 2 s re-check; rank 1's vote then
+    finds the same decision."""
+    gen = store.generation()
+    commit = StepCommit(Generation(store, gen, 0, 2, (2, 1)), waiter=store.another_client())
+    watch = GenerationWatch(
+        store, gen, 0, waiter=store.another_client(), on_stuck=lambda: None, on_moved=commit.job_left
+    )
+    watch.start()
+    outcome: list[BaseException] = []
+    voter = threading.Thread(target=lambda: _vote_into(commit, 1, outcome))
+    voter.start()
+    time.sleep(0.2)
+    assert voter.is_alive() and not outcome  # blocked on the decision: rank 1 has not voted
+    moved_at = time.monotonic()
+    store.advance_generation(gen, world_size=2)
+    voter.join(timeout=10)
+    assert not voter.is_alive() and isinstance(outcome[0], GenerationChanged), outcome
+    assert time.monotonic() - moved_at < 1.5
+    watch.stop()
+    late = StepCommit(Generation(store, gen, 1, 2, (2, 1)), waiter=store.another_client())
+    with pytest.raises(GenerationChanged):
+        late.vote(1)
+    assert store.decision(gen, 1) == b"abandon"
+
+
+def _vote_into(commit: StepCommit, step: int, outcome: list[BaseException]) -> None:
+    try:
+        commit.vote(step)
+    except GenerationChanged as err:
+        outcome.append(err)

@@ -31,6 +31,9 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     # Each rank-step: two heartbeats and a fingerprint (sets), a vote (add); the agents' looks on top.
     # Counts are read at step starts, so a loaded machine shifts some of a window's sets into the next.
     assert kinds["set"] >= 2 and kinds["add"] >= 1
+    # A waiting vote blocks in the store (one wait and one get), it does not poll: the checks left
+    # are the agents' looks (one per pass for all nodes).
+    assert kinds["wait"] > 0 and kinds.get("check", 0) < 0.5, kinds
     assert row["store_requests_per_rank_step"] >= 3
     assert 0 < row["vote_p50_s"] <= row["vote_p99_s"]
     assert 0 < row["recovery_s"] < 30 and row["recovery_store_requests"] > 16

@@ -445,6 +445,19 @@ class JobStore:
         """Write ``decision`` unless one exists; returns the decision that stands (exactly one per step)."""
         return self._tcp.compare_set(f"gen{gen}/decision/{step}", "", decision)
 
+    def wait_decision(self, gen: int, step: int, *, timeout_s: float) -> bytes | None:
+        """Block until the decision on ``step`` of ``gen`` exists and return it; None after
+        ``timeout_s``. One pending request, no polling: use a client of its own
+        (:meth:`another_client`), as it holds the connection while it waits."""
+        key = f"gen{gen}/decision/{step}"
+        try:
+            self._tcp.wait([key], timedelta(seconds=timeout_s))
+        except DistStoreError as err:
+            if "timeout" not in str(err):
+                raise
+            return None
+        return self._tcp.get(key)
+
     def decision(self, gen: int, step: int) -> bytes | None:
         """The decision on ``step`` of ``gen``, or None while there is none."""
         key = f"gen{gen}/decision/{step}"

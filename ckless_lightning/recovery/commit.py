@@ -3,12 +3,15 @@
 Protocol (through the job store, under the generation's keys): after its
 gradients are complete and clipped, a rank counts its vote for the step
 (:meth:`JobStore.vote`); the rank whose vote makes it ``world_size`` decides
-``commit`` (:meth:`JobStore.decide`). Waiting ranks poll the decision and the
-job's generation. A rank that sees the generation move on decides ``abandon``
-instead, and so does the rank whose vote completes the count when the generation
-has moved: every rank then leaves at this vote, between collectives (an elastic
-grow moves the job while its ranks train; without this they would learn of it only
-from the generation watch's cut, in the middle of a collective). Both writes are
+``commit`` (:meth:`JobStore.decide`). A waiting rank blocks on the step's decision
+key (:meth:`JobStore.wait_decision`, on a client of its own: no polling) until the
+last voter decides, or until the job leaves the generation: then the rank's
+generation watch, woken by the move, decides ``abandon`` for the step it waits on
+(:meth:`StepCommit.job_left`), and a vote started after the move abandons without
+waiting. The rank whose vote completes the count decides ``abandon`` too when the
+generation has moved: every rank leaves at the same vote, between collectives (an
+elastic grow moves the job while its ranks train; without this they would learn of
+it only from the watch's cut, in the middle of a collective). Both writes are
 ``compare_set`` from "no value", so exactly one decision exists per step and every
 rank obeys the same one: either every live rank applies the step or none does.
 
@@ -28,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ckless_lightning.comm import Generation, GenerationChanged
+from ckless_lightning.comm import Generation, GenerationChanged, JobStore
 from ckless_lightning.recovery.digest import StateDigest, disagreeing, replica_groups
 
 __all__ = ["StateDisagreement", "StepCommit"]
@@ -59,7 +62,10 @@ class StateDisagreement(GenerationChanged):
         )
 
 
-_GEN_CHECK_S = 0.02  # how often a waiting voter reads the generation
+_GEN_CHECK_S = 0.02  # polling (no waiter client): how often a waiting voter reads the generation
+# A blocked voter re-reads the generation this often (a mover killed between moving the job and
+# waking the watches is the only way to miss the watch's abandon).
+_RECHECK_S = 2.0
 
 
 class StepCommit:
@@ -67,7 +73,10 @@ class StepCommit:
 
     Called once per optimizer step by every rank, after the gradient clipping
     and before the update, with the step in progress (1-based). ``wait_s`` (wall),
-    ``cpu_s`` (this thread's CPU) and ``votes`` accumulate the cost.
+    ``cpu_s`` (this thread's CPU) and ``votes`` accumulate the cost. ``waiter``: a store
+    client of this rank's own that a waiting vote blocks in (:meth:`JobStore.another_client`,
+    reused across generations); None: waiting votes poll the decision on the main client.
+    With a waiter, the rank's generation watch calls :meth:`job_left` when the job moves on.
     """
 
     def __init__(
@@ -76,8 +85,12 @@ class StepCommit:
         *,
         digest: StateDigest | None = None,
         on_disagreement: Callable[..., None] | None = None,
+        waiter: JobStore | None = None,
     ) -> None:
         self.generation = generation
+        self.waiter = waiter
+        self._waiting: int | None = None  # the step this rank waits on (read by job_left's thread)
+        self._moved = False  # set by job_left: the job left this generation
         self.digest = digest
         self.groups = replica_groups(*generation.mesh) if digest is not None else []
         self.on_disagreement = on_disagreement or (lambda **fields: None)
@@ -137,7 +150,32 @@ class StepCommit:
         )
         return f"{_DISAGREE} {','.join(map(str, suspects))} {trusted}"
 
+    def job_left(self, store: JobStore) -> None:
+        """From the generation watch's thread, on its own client ``store``, when the job leaves this
+        generation: the vote this rank waits on is decided ``abandon`` (every waiter wakes), and a
+        vote it starts later abandons without waiting. Safe in any order with :meth:`_wait` (each
+        writes its flag before it reads the other's; a second ``abandon`` is a no-op)."""
+        self._moved = True
+        step = self._waiting
+        if step is not None:
+            store.decide(self.generation.number, step, "abandon")
+
     def _wait(self, step: int) -> bytes:
+        if self.waiter is None:
+            return self._poll(step)
+        store, gen = self.generation.store, self.generation.number
+        self._waiting = step
+        try:
+            if self._moved:
+                return store.decide(gen, step, "abandon")
+            while (decision := self.waiter.wait_decision(gen, step, timeout_s=_RECHECK_S)) is None:
+                if store.generation() != gen:
+                    return store.decide(gen, step, "abandon")
+            return decision
+        finally:
+            self._waiting = None
+
+    def _poll(self, step: int) -> bytes:
         store, gen = self.generation.store, self.generation.number
         pause = 5e-5
         next_gen_check = time.monotonic() + _GEN_CHECK_S

@@ -167,6 +167,7 @@ class InProcessRecovery:
         self.recoveries = 0
         self.watch: GenerationWatch | None = None  # frees this rank if it stays in a generation left behind
         self._waiter: JobStore | None = None  # the store connection the watches block in
+        self._vote_waiter: JobStore | None = None  # the one a waiting step vote blocks in
         self.commit: StepCommit | None = None  # the current generation's vote (its cost: wait_s, votes)
         self.vote_s = 0.0
         self.vote_cpu_s = 0.0
@@ -351,11 +352,16 @@ class InProcessRecovery:
     def _strategy(self, gen: Generation, resume: str | Path | None) -> CheckpointlessStrategy:
         """Generation ``gen``'s strategy, handed the vote, the leave hook and (tier 4) the memory restore;
         ``resume`` is what its ``fit`` restores from (weights are then not initialized)."""
+        if self._vote_waiter is None:
+            self._vote_waiter = self.store.another_client()
         self.commit = StepCommit(
             gen,
             digest=self.digest,
             on_disagreement=lambda **fields: self._emit("state_disagreement", gen.number, **fields),
+            waiter=self._vote_waiter,
         )
+        if self.watch is not None and self.watch.moved:  # the job left before the vote existed
+            self.commit.job_left(self.store)
         memory = None
         if self.snapshots is not None:
             faults = self.faults
@@ -409,8 +415,15 @@ class InProcessRecovery:
             grace_s=self.generation.stuck_grace_s,
             on_left_behind=lambda: self._exit_left_behind(gen),
             exit_after_s=self.generation.stuck_exit_s,
+            on_moved=lambda store: self._job_left(gen, store),
         )
         self.watch.start()
+
+    def _job_left(self, gen: int, store: JobStore) -> None:
+        """From the watch's thread: the job left ``gen``; a step vote of it this rank waits on ends."""
+        commit = self.commit
+        if commit is not None and commit.generation.number == gen:
+            commit.job_left(store)
 
     def _unwatch(self) -> None:
         if self.watch is not None:

@@ -62,6 +62,9 @@ class GenerationWatch:
     time blocks in it, as a generation's watch is stopped before the next one starts).
     ``on_left_behind`` (None: never): called from the thread once the main thread has been
     blocked on peers for ``exit_after_s`` in a row after the cut (it ends the process).
+    ``on_moved`` (None: nothing): called from the thread with ``waiter`` as soon as the job has
+    left the generation, before the grace (the step vote's :meth:`~ckless_lightning.recovery.
+    commit.StepCommit.job_left`: a rank waiting in the vote leaves at once, without a cut).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class GenerationWatch:
         recheck_s: float = _RECHECK_S,
         on_left_behind: Callable[[], None] | None = None,
         exit_after_s: float = 10.0,
+        on_moved: Callable[[JobStore], None] | None = None,
     ) -> None:
         self.store = store
         self.waiter = waiter
@@ -86,6 +90,8 @@ class GenerationWatch:
         self.recheck_s = recheck_s
         self.on_left_behind = on_left_behind
         self.exit_after_s = exit_after_s
+        self.on_moved = on_moved
+        self.moved = False  # the job left the generation (set before on_moved is called)
         self.fired = False
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
@@ -108,6 +114,12 @@ class GenerationWatch:
         except RuntimeError as err:  # the store is gone: the main thread finds out on its own
             print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
             return
+        self.moved = not self._stop.is_set()
+        if self.on_moved is not None and self.moved:
+            try:
+                self.on_moved(self.waiter)
+            except RuntimeError as err:  # the store is gone: the main thread finds out on its own
+                print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
         if self._stop.is_set() or self._stopped_within(self.grace_s):
             return
         self.fired = True
