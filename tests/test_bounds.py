@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ckless_lightning.agent.policies import silence_limit
 from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore
 from ckless_lightning.recovery.commit import StepCommit
-from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
+from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
 from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.runtime.config import AgentConfig
 
@@ -105,6 +105,20 @@ def test_join_barrier_gives_up_after_join_timeout(store):
     assert 1.0 <= time.monotonic() - start < 10.0
     assert "comm.join_timeout_s=1" in store.giveup_reason()
     assert store.rank_heartbeats([0])[0].phase == "recovery"
+
+
+@pytest.mark.timeout(60)
+def test_join_barrier_ends_when_a_peer_finished_the_job(store):
+    # A peer passed its last collective while this rank left it with an error (a collective that lets
+    # some ranks out while a stopped rank holds the rest): the job is over, the barrier never fills.
+    store.set_member(0, 0)
+    store.mark_rank_finished(1)
+    session = GenerationSession(store, rank=0, world_size=2, generation=0, join_timeout_s=30.0)
+    start = time.monotonic()
+    with pytest.raises(JobFinished, match="the job finished while it joined generation 0"):
+        session.join()
+    assert time.monotonic() - start < 5.0
+    assert store.giveup_reason() is None
 
 
 def test_heartbeat_phase_round_trip_and_limits():
@@ -324,3 +338,33 @@ def _vote_into(commit: StepCommit, step: int, outcome: list[BaseException]) -> N
         commit.vote(step)
     except GenerationChanged as err:
         outcome.append(err)
+
+
+class _LastCollectiveFails:
+    """A Trainer stand-in whose ``fit`` fails as a rank's last collective does when a peer got out of
+    it first (that peer records it finished) and another peer is stopped inside it."""
+
+    global_step = 12
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def fit(self, module: object, datamodule: object = None, ckpt_path: object = None) -> None:
+        self.store.mark_rank_finished(1)
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_after_a_peer_finished_ends_the_rank_as_finished_without_a_new_generation(store):
+    from ckless_lightning.recovery.loop import InProcessRecovery
+
+    for rank in (0, 1):
+        store.set_member(rank, 0)
+    store.join(0)  # rank 1 is in generation 0; rank 0 joins it in fit
+    recovery = InProcessRecovery(Generation(store, number=0, rank=0, world_size=2, mesh=(1, 2)))
+    fake = _LastCollectiveFails(store)
+    start = time.monotonic()
+    trainer = recovery.fit(lambda strategy, callbacks: fake, lambda: None)  # type: ignore[arg-type,return-value]
+    assert trainer is fake and time.monotonic() - start < 10.0
+    assert store.generation() == 0, "a generation nobody else would join was started"
+    assert store.rank_finished(0) and store.ranks_finished() == 2

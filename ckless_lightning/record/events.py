@@ -42,7 +42,9 @@ line N of ``losses.jsonl``. The kinds and their fields:
     offers its live state to the recovery, and why not), ``stuck_cut`` (the rank's
     generation watch cut its connections: it was still in a generation the job had left),
     ``left_behind_exit`` (still blocked on peers ``comm.stuck_exit_s`` after that cut: the rank
-    exits with code 6 for its agent to replace it),
+    exits with code 6 for its agent to replace it), ``finished_at_fault`` {error} (a fault
+    reached the rank after a peer had finished the job: it was in or past the last collective,
+    so it ends as finished instead of starting a generation nobody else would join),
     ``spare_handed`` / ``spare_ready`` {handover_s, modules} (a prepared spare took the rank).
 ``spare_started`` {pid}, ``spare_prepared`` {pid, start_s, prepare_s, modules}, ``spare_lost``
 {pid, reason, exit_code}

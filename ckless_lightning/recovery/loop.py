@@ -53,7 +53,7 @@ from ckless_lightning.recovery.device_fault import exit_on_device_fault
 from ckless_lightning.recovery.digest import StateDigest
 from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 from ckless_lightning.recovery.memory import MemoryRestore
-from ckless_lightning.recovery.session import GenerationSession, JobGaveUp
+from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
 from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.recovery.where import WhereReporter
@@ -290,7 +290,8 @@ class InProcessRecovery:
             except (JobGaveUp, UsageError):  # a usage error repeats in every generation: not a fault
                 self._unwatch()
                 raise
-            except StandbyEnded as ended:
+            except (StandbyEnded, JobFinished) as ended:
+                self._unwatch()
                 print(f"{ended}: nothing left to train", file=sys.stderr)
                 return None
             except Exception as err:  # any fault: leave this generation and rejoin the next
@@ -301,6 +302,16 @@ class InProcessRecovery:
                     )
                     exit_on_device_fault(err, rank=self.rank, keep_ports={self.store.port})
                 self._count_votes()
+                if trainer is not None and self.store.ranks_finished() > 0:
+                    # A peer passed its last collective, so this rank entered it too: its training
+                    # and the final save are done, and a new generation nobody else joins would wait.
+                    print(
+                        f"rank {self.rank}: {type(err).__name__} after a peer finished the job, in or "
+                        "after the last collective: nothing left to train",
+                        file=sys.stderr,
+                    )
+                    self._phase("finished_at_fault", self.session.generation, error=f"{err}"[:200])
+                    return trainer
                 if trainer is not None:
                     self.session.completed_step = trainer.global_step
                 self.session.beat_recovering()

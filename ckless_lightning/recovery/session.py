@@ -25,7 +25,7 @@ from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.recovery.commit import GenerationChanged
 from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 
-__all__ = ["GenerationSession", "JobGaveUp", "StandbyEnded"]
+__all__ = ["GenerationSession", "JobFinished", "JobGaveUp", "StandbyEnded"]
 
 _BEAT_S = 1.0  # heartbeat refresh while waiting in the barrier
 _STANDBY_POLL_S = 0.05  # a standby rank's look at the job's generation and its replica
@@ -51,6 +51,11 @@ class _SilentRanks:
 
 class JobGaveUp(RuntimeError):
     """The agents gave the job up (fault budget spent): stop, do not rejoin."""
+
+
+class JobFinished(RuntimeError):
+    """A peer finished the job (passed its last collective) while this rank waited to join a
+    generation: every rank had trained to the end; nothing is left to train (exit cleanly)."""
 
 
 class GenerationSession:
@@ -154,6 +159,8 @@ class GenerationSession:
                 reason = self.store.giveup_reason()
                 if reason is not None:
                     raise JobGaveUp(reason)
+                if self.store.ranks_finished() > 0:  # it left its last collective as a peer passed it
+                    raise JobFinished(f"rank {self.rank}: the job finished while it joined generation {gen}")
                 if self.elastic is not None:
                     self._shrink_if_lost(gen, active, silent)
                 next_beat = now + _BEAT_S
