@@ -135,18 +135,24 @@ def test_fault_in_every_phase_recovers_in_process_bitwise(tmp_path, data_cache, 
     for rank in range(4):
         assert len(pids[rank]) == 1 + replaced[rank], (rank, pids[rank], plan)
 
-    # Every process that trained to the end holds no process group (of any generation) and no
-    # connection beyond those of the fault-free run (a replacement may hold fewer). Listening
+    # Every process that trained to the end holds no process group (of any generation) and no more
+    # connections than one generation's group (a gloo pair per peer). Whether gloo has closed the last
+    # group's pairs when the rank reports is timing: a fault-free rank was seen with 0 and with 3 (its
+    # pairs to every peer), so the bound is one mesh, never the fault-free run's count. Listening
     # sockets and threads are not compared: gloo keeps a process-wide TCP transport (2 listeners,
     # ~6 threads) from the first recovery on.
     ends = {e["rank"]: e for e in events_of(run, "rank_end")}
     reference_ends = {e["rank"]: e for e in events_of(references[recipe], "rank_end")}
+    reference_connected = [[s for s in e["tcp_states"] if s != "LISTEN"] for e in reference_ends.values()]
+    one_mesh = max(4 - 1, *map(len, reference_connected))
     for rank in range(4):
         assert ends[rank]["process_groups"] == 0, ends[rank]
-        connected = [s for s in ends[rank]["tcp_states"] if s != "LISTEN"]
-        reference_connected = [s for s in reference_ends[rank]["tcp_states"] if s != "LISTEN"]
         # Not compared: their states (a peer that already exited leaves one in CLOSE_WAIT).
-        assert len(connected) <= len(reference_connected), (ends[rank], reference_ends[rank])
+        connected = [s for s in ends[rank]["tcp_states"] if s != "LISTEN"]
+        assert len(connected) <= one_mesh, (
+            f"rank {rank}: {ends[rank].get('tcp_peers')} threads {ends[rank].get('thread_names')}; "
+            f"fault-free: {reference_ends[rank].get('tcp_peers')}\n{summary.format()}\n{detected}"
+        )
     assert not job_processes(run), [p.info["cmdline"] for p in job_processes(run)]
     with socket.socket() as sock:  # the job store's port is free again
         sock.bind(("127.0.0.1", port))

@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -338,6 +339,12 @@ def _count_objects(types: tuple[type, ...]) -> int:
         return sum(isinstance(o, types) for o in gc.get_objects())
 
 
+def _describe_connection(connection: Any) -> str:
+    """``"local_port->remote_host:port STATE"`` of one psutil connection (what a leak check names)."""
+    remote = f"{connection.raddr.ip}:{connection.raddr.port}" if connection.raddr else "-"
+    return f"{connection.laddr.port}->{remote} {connection.status}"
+
+
 def _report_resources(job: Any, context: RankContext) -> None:
     """``rank_end`` event: this process's threads, TCP sockets and live process-group objects after
     training (leak checks)."""
@@ -356,5 +363,7 @@ def _report_resources(job: Any, context: RankContext) -> None:
         threads=len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
         tcp_sockets=len(sockets),
         tcp_states=sorted(c.status for c in sockets),
+        tcp_peers=sorted(_describe_connection(c) for c in sockets),
+        thread_names=sorted(t.name for t in threading.enumerate()),
         process_groups=_count_objects((dist.ProcessGroup, Backend)),
     )
