@@ -118,7 +118,8 @@ exchange_wait_s, host_copy_bytes, digests, digest_s}
     ``tensors``, ``loop``, both, or ``no fingerprint recorded``); never trained on: the restore
     plans again without that source. ``expected`` / ``got``: ``<step> <gen> <tensors> <loop>``.
 ``rank_end`` {rank, pid, threads, thread_names, tcp_sockets, tcp_states, tcp_peers, process_groups}
-    Tiers 3-4: a rank's process after training (leak checks; ``tcp_peers``: ``"local_port->host:port STATE"``).
+    Tiers 3-4: a rank's process after training (leak checks; ``tcp_peers``:
+    ``"local_port->host:port STATE"``).
 ``giveup`` {reason, exit_code}
     The agent stopped recovering (e.g. fault budget spent); the job exits with ``exit_code``.
 ``interrupted`` {node, signal}
