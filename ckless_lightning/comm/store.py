@@ -26,7 +26,10 @@ key                                value                                        
                                    (or the rank itself, to release its own watch)
 ``giveup``                         set once: the reason the job stops for good                 agent
 ``giveup_code``                    the exit code that goes with it (absent: 75, requeue)       agent
-``hb/<rank>``                      ``"<gen> <completed step> <unix time>"``, each step         rank, agent
+``hb/<rank>``                      ``"<gen> <completed step> <unix time> <phase>"``: the rank  agent (rank
+                                   beats into its node's board, the agent publishes them each  with
+                                   pass; with ``agent.local_beats=false`` the rank, each step) local_beats
+                                                                                               off)
 ``where/<rank>``                   tiers 3-4: where the rank's main thread is, each second     rank
                                    (``peers``: waiting in a collective, ``running``, ``data``)
 ``agent/<node>``                   the generation each agent is in                             agent
@@ -64,7 +67,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -299,6 +302,11 @@ class JobStore:
     # -- heartbeats --------------------------------------------------------
     def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
         self._tcp.set(f"hb/{rank}", beat.encode())
+
+    def set_rank_heartbeats(self, beats: Mapping[int, Heartbeat]) -> None:
+        """Several ranks' beats in one request (a node agent publishing its board, ``comm/beat_board.py``)."""
+        if beats:
+            self._tcp.multi_set([f"hb/{r}" for r in beats], [b.encode() for b in beats.values()])
 
     def set_rank_where(self, rank: int, where: str) -> None:
         self._tcp.set(f"where/{rank}", where)
