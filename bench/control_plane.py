@@ -1,19 +1,22 @@
 """The job's control plane at scale, without training: N simulated ranks against the real job store.
 
     python bench/control_plane.py [--ranks 8 64 256 1024] [--ranks-per-node 8] [--step-ms 100]
-                                  [--steps 30] [--kill-step 15] [--tier 4] [--json PATH]
+                                  [--steps 30] [--kill-step 15] [--tier 4] [--vote wait|poll]
+                                  [--beats local|store] [--json PATH]
 
 Everything that is not the model runs as the job runs it, one thread per simulated rank and per
 simulated node agent, in this process, against a real ``TCPStore`` hosting the job store:
 
 - each rank joins generation 0 through :class:`GenerationSession` (the join barrier), holds a
   :class:`GenerationWatch` on a second store connection, and per step sleeps ``--step-ms`` (the
-  step's compute), beats twice (:class:`HeartbeatCallback`, as at a batch's start and end), votes
+  step's compute), beats twice (:class:`HeartbeatCallback`, as at a batch's start and end: into its
+  node's heartbeat board, or with ``--beats store`` to the store), votes
   (:class:`StepCommit`) and, at tier 4, records its state fingerprint (``JobStore.record_state``),
   and reports where it is once a second (``JobStore.set_rank_where``, as ``WhereReporter`` does when
   the place changed);
 - each node agent (``--ranks-per-node`` ranks) makes the supervision pass's store look every
-  ``agent.monitor_interval`` (0.1 s; :class:`StoreLook`, the node agent's own code), and when one
+  ``agent.monitor_interval`` (0.1 s; :class:`StoreLook`, the node agent's own code: it reads its
+  ranks' beats from the board and publishes those that changed in one request), and when one
   of its ranks dies, moves the job to the next generation (``JobStore.advance_generation``) and
   starts a replacement rank (new connections; heartbeat and membership written as the agent does);
 - one rank dies before its vote on ``--kill-step`` (its thread ends; a real rank's process would);
@@ -56,6 +59,7 @@ from torch.distributed import Store, TCPStore  # noqa: E402
 
 from ckless_lightning.agent.store_look import StoreLook  # noqa: E402
 from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore  # noqa: E402
+from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats, HeartbeatWriter  # noqa: E402
 from ckless_lightning.comm.store import connect_store  # noqa: E402
 from ckless_lightning.recovery.commit import StepCommit  # noqa: E402
 from ckless_lightning.recovery.session import GenerationSession  # noqa: E402
@@ -164,7 +168,9 @@ class Job:
     kill_step: int
     tier: int
     blocking_vote: bool = True  # False: waiting votes poll the decision (the design before)
+    local_beats: bool = True  # False: every rank beats to the store (agent.local_beats=false, before)
     host: TCPStore = field(init=False)
+    boards: dict[int, BeatBoard] = field(default_factory=dict)  # node -> its agent's heartbeat board
     counts: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     connections: int = 0
@@ -182,6 +188,14 @@ class Job:
     def __post_init__(self) -> None:
         self.host = connect_store("127.0.0.1", 0, is_master=True)
         JobStore(self.host, secret=SECRET)._tcp.set("job", "1")  # as JobStore.host does
+        if self.local_beats:
+            self.boards = {node: BeatBoard.create(self.per_node) for node in range(self.nodes)}
+
+    def beats(self, rank: int, store: JobStore) -> HeartbeatWriter:
+        """Where ``rank``'s beats go (as ``RankContext.beats``): its node's board, or the store."""
+        if not self.local_beats:
+            return store
+        return BoardBeats(self.boards[rank // self.per_node], rank=rank, slot=rank % self.per_node)
 
     @property
     def nodes(self) -> int:
@@ -209,8 +223,14 @@ class SimRank(threading.Thread):
         self.store = job.client()
         self.waiter = job.client()
         self.vote_waiter = job.client() if job.blocking_vote else None  # what a waiting vote blocks in
+        self.beats = job.beats(rank, self.store)
         self.session = GenerationSession(
-            self.store, rank=rank, world_size=job.world, generation=generation, join_timeout_s=600
+            self.store,
+            rank=rank,
+            world_size=job.world,
+            generation=generation,
+            join_timeout_s=600,
+            beats=self.beats,
         )
         self.session.completed_step = first_step - 1
         self.replacement = generation > 0
@@ -230,7 +250,7 @@ class SimRank(threading.Thread):
         while step <= job.steps:
             generation = Generation(self.store, gen, rank, job.world, (1, job.world))
             commit = StepCommit(generation, waiter=self.vote_waiter)
-            beats = HeartbeatCallback(self.store, rank=rank, generation=gen)
+            beats = HeartbeatCallback(self.beats, rank=rank, generation=gen)
             watch = GenerationWatch(
                 self.store,
                 gen,
@@ -299,7 +319,17 @@ class SimAgent(threading.Thread):
         self.node = node
         self.store = job.client()
         self.local = list(range(node * job.per_node, (node + 1) * job.per_node))
-        self.look = StoreLook(self.store, node=node, nnodes=job.nodes, node_timeout_s=30.0)
+        self.board = job.boards.get(node)
+        self.look = StoreLook(
+            self.store,
+            node=node,
+            nnodes=job.nodes,
+            node_timeout_s=30.0,
+            board=self.board,
+            slots={rank: slot for slot, rank in enumerate(self.local)} if self.board else None,
+        )
+        for rank in self.local:  # as NodeAgent.start_rank, before the rank's process starts
+            self._first_beat(rank, 0)
 
     def run(self) -> None:
         job, gen = self.job, 0
@@ -314,13 +344,21 @@ class SimAgent(threading.Thread):
                     job.dead.difference_update(lost)
                 for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
                     gen = self.store.advance_generation(gen, world_size=job.world)
-                    self.store.set_rank_heartbeat(rank, Heartbeat(gen, -1, time.time()))
+                    self._first_beat(rank, gen)
                     self.store.set_member(rank, gen)
                     SimRank(job, rank, generation=gen, first_step=job.kill_step).start()
                 time.sleep(MONITOR_INTERVAL_S)
         except Exception as err:  # a bench thread's failure is reported in the table's place
             job.errors.append(f"agent {self.node}: {type(err).__name__}: {err}")
             job.done.set()
+
+    def _first_beat(self, rank: int, gen: int) -> None:
+        """The beat NodeAgent.start_rank writes for a rank it starts: to the store and the board."""
+        beat = Heartbeat(gen, -1, time.time())
+        self.store.set_rank_heartbeat(rank, beat)
+        if self.board is not None:
+            self.board.write(rank % self.job.per_node, beat, by_agent=True)
+            self.look.published(rank, beat)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -339,13 +377,14 @@ def simulate(
     kill_step: int,
     tier: int,
     blocking_vote: bool = True,
+    local_beats: bool = True,
 ) -> Row:
     """Run one simulated job of ``world`` ranks to its end; its figures."""
     if world % per_node:
         raise SystemExit(f"--ranks {world} is not a multiple of --ranks-per-node {per_node}")
     if not 6 < kill_step < steps:
         raise SystemExit(f"--kill-step {kill_step} must be in 7..{steps - 1} (a steady window before it)")
-    job = Job(world, per_node, step_ms / 1000.0, steps, kill_step, tier, blocking_vote)
+    job = Job(world, per_node, step_ms / 1000.0, steps, kill_step, tier, blocking_vote, local_beats)
     ranks = [SimRank(job, r) for r in range(world)]
     agents = [SimAgent(job, n) for n in range(job.nodes)]
     for thread in (*agents, *ranks):
@@ -401,6 +440,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default="wait",
         help="how a waiting vote learns the decision: blocked in the store (today) or polling (before)",
     )
+    parser.add_argument(
+        "--beats",
+        choices=("local", "store"),
+        default="local",
+        help="where ranks beat: their node agent's board, published once per pass (today), or the store",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here (a JSON list)")
     args = parser.parse_args(argv)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -417,6 +462,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             kill_step=args.kill_step,
             tier=args.tier,
             blocking_vote=args.vote == "wait",
+            local_beats=args.beats == "local",
         )
         rows.append(row)
         print(

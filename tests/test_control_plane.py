@@ -28,9 +28,11 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     (row,) = json.loads(rows_path.read_text())
     assert (row["ranks"], row["nodes"]) == (16, 2)
     kinds = row["requests_by_kind"]
-    # Each rank-step: two heartbeats and a fingerprint (sets), a vote (add); the agents' looks on top.
-    # Counts are read at step starts, so a loaded machine shifts some of a window's sets into the next.
-    assert kinds["set"] >= 2 and kinds["add"] >= 1
+    # Each rank-step: a fingerprint (set), a vote (add); the agents' looks on top. The two heartbeats
+    # go to the node's board, and each agent publishes its ranks' changed beats once a pass (multi_set;
+    # the steady window, 2 steps of 20 ms, may hold no pass). Counts are read at step starts, so a loaded
+    # machine shifts some of a window's sets into the next.
+    assert kinds["set"] >= 0.8 and kinds["add"] >= 1, kinds
     # A waiting vote blocks in the store (one wait and one get), it does not poll: the checks left
     # are the agents' looks (one per pass for all nodes).
     assert kinds["wait"] > 0 and kinds.get("check", 0) < 0.5, kinds

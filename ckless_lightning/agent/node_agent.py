@@ -74,6 +74,7 @@ from ckless_lightning.agent.policies import (
 from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped, reap
 from ckless_lightning.agent.store_look import StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
+from ckless_lightning.comm.beat_board import BeatBoard
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import ExitCode, RankSpec
@@ -132,6 +133,8 @@ class NodeAgent:
         self.ranks: dict[int, RankProcess] = {}
         first = self.node * self.cluster.nproc_per_node
         self.local_ranks = list(range(first, first + self.cluster.nproc_per_node))
+        # The ranks' heartbeats: into shared memory this agent reads and publishes (comm/beat_board.py)
+        self.board = BeatBoard.create(len(self.local_ranks)) if self.cfg.local_beats else None
         self.outside_faults = OutsideFaultInjector(
             [
                 s
@@ -182,7 +185,12 @@ class NodeAgent:
             return ExitCode.CONFIG
         self.store_port = self.store.port
         self._look = StoreLook(
-            self.store, node=self.node, nnodes=self.cluster.nnodes, node_timeout_s=self.cfg.node_timeout
+            self.store,
+            node=self.node,
+            nnodes=self.cluster.nnodes,
+            node_timeout_s=self.cfg.node_timeout,
+            board=self.board,
+            slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
         )
         self.store.set_node_owner(self.node, self.agent_id)
         if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
@@ -216,8 +224,28 @@ class NodeAgent:
             if self.fork_server is not None:
                 self.fork_server.close()
             self.batch_cache.close()
+            if self.board is not None:
+                self.board.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
+
+    def local_beats(self, ranks: list[int]) -> dict[int, Heartbeat]:
+        """This node's ranks' latest heartbeats (from the board, fresher than the store's copy)."""
+        assert self.store is not None
+        if self.board is None:
+            return self.store.rank_heartbeats(ranks)
+        slots = {rank: self.local_ranks.index(rank) for rank in ranks}
+        beats = {rank: self.board.read(slot) for rank, slot in slots.items()}
+        missing = [rank for rank, beat in beats.items() if beat is None]
+        return {**beats, **(self.store.rank_heartbeats(missing) if missing else {})}  # type: ignore[dict-item]
+
+    def restart_hang_clock(self, rank: int, beat: Heartbeat) -> None:
+        """Give local ``rank`` a fresh silence limit: ``beat`` (its own, timed now) on its behalf."""
+        assert self.store is not None
+        if self.board is None:
+            self.store.set_rank_heartbeat(rank, beat)
+        else:  # the agent's record of its slot; the next pass publishes it
+            self.board.write(self.local_ranks.index(rank), beat, by_agent=True)
 
     def _mark_ended(self, code: int) -> None:
         """Node 0's agent, still its owner, records the job's end in the store (a standalone store
@@ -481,8 +509,14 @@ class NodeAgent:
             store_port=self.store_port,
             store_secret=self.secret,
             batch_cache=str(self.batch_cache.root) if self.batch_cache.root else None,
+            beat_board=self.board.path if self.board is not None else None,
         )
-        self.store.set_rank_heartbeat(rank, Heartbeat(gen, -1, time.time()))
+        beat = Heartbeat(gen, -1, time.time())
+        self.store.set_rank_heartbeat(rank, beat)
+        if self.board is not None:
+            self.board.write(self.local_ranks.index(rank), beat, by_agent=True)
+            if self._look is not None:
+                self._look.published(rank, beat)
         self.store.set_member(rank, gen)
         spare = self.spares.take()
         log_dir = self.run_dir / "rank_logs"

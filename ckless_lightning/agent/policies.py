@@ -146,6 +146,10 @@ class Node(Protocol):
 
     def refill_spares_later(self) -> None: ...
 
+    def local_beats(self, ranks: list[int]) -> dict[int, Heartbeat]: ...
+
+    def restart_hang_clock(self, rank: int, beat: Heartbeat) -> None: ...
+
 
 class Policy(ABC):
     """Decides what the supervision loop does after each pass; one instance for the whole job."""
@@ -306,7 +310,7 @@ class RestartAll(Policy):
                 if (current := self.store.generation()) > gen:
                     return Decision(Action.NEXT_GENERATION, gen, target=current)
                 time.sleep(self.agent.cfg.monitor_interval)
-        completed = self.store.rank_heartbeats([rank])[rank].completed_step
+        completed = self.agent.local_beats([rank])[rank].completed_step
         self.agent.events.emit(
             "fault_detected",
             by=f"agent{node}",
@@ -464,7 +468,7 @@ class ReplaceFailed(Policy):
                 exit_code=code,
                 signal=signal.Signals(-code).name if code < 0 else None,
                 failed_ranks=sorted(failed),
-                completed_step=self.store.rank_heartbeats([rank])[rank].completed_step,
+                completed_step=self.agent.local_beats([rank])[rank].completed_step,
                 # the generation the dead process was in
                 gen=member[rank] if member is not None else self.store.member(rank),
             )
@@ -475,9 +479,9 @@ class ReplaceFailed(Policy):
         Survivors blocked on a failed peer stop beating until they notice it
         (milliseconds to seconds); without this they could be taken for hung.
         """
-        beats = self.store.rank_heartbeats(self.agent.local_ranks)
+        beats = self.agent.local_beats(self.agent.local_ranks)
         now = time.time()
         for rank, proc in self.agent.ranks.items():
             if proc.poll() is None:
                 beat = beats[rank]
-                self.store.set_rank_heartbeat(rank, Heartbeat(beat.gen, beat.completed_step, now, beat.phase))
+                self.agent.restart_hang_clock(rank, Heartbeat(beat.gen, beat.completed_step, now, beat.phase))

@@ -7,10 +7,11 @@ The node agent's pass and ``bench/control_plane.py``'s simulated agents call the
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ckless_lightning.comm import Heartbeat, JobStore
+from ckless_lightning.comm.beat_board import BeatBoard
 
 __all__ = ["Look", "StoreLook"]
 
@@ -34,21 +35,42 @@ class StoreLook:
     nodes (:meth:`JobStore.agent_heartbeats` reads all of them at once).
     """
 
-    def __init__(self, store: JobStore, *, node: int, nnodes: int, node_timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        *,
+        node: int,
+        nnodes: int,
+        node_timeout_s: float,
+        board: BeatBoard | None = None,
+        slots: Mapping[int, int] | None = None,
+    ) -> None:
+        """``board``: the node's heartbeat board, ``slots`` its slot per local rank (None: the local
+        ranks beat to the store, and the look reads them there)."""
+        assert (board is None) == (slots is None)
         self.store = store
         self.node = node
         self.nnodes = nnodes
         self.node_timeout_s = node_timeout_s
+        self.board = board
+        self.slots = slots
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
+        self._published: dict[int, Heartbeat] = {}  # rank -> the beat the store holds for it
 
     def look(self, gen: int, local_ranks: Sequence[int]) -> Look:
         """Beat this agent's heartbeat (in ``gen``), then read the job's state, ``local_ranks``'
-        heartbeats and the other agents' beats."""
+        heartbeats and the other agents' beats.
+
+        With a board, the local ranks' beats are read from it, and those that changed since the last
+        pass are published to the store in one request (for readers on other nodes)."""
         store = self.store
         store.set_agent_heartbeat(self.node, gen)
         giveup = store.giveup_reason() is not None
         current = store.generation()
-        beats = store.rank_heartbeats(list(local_ranks))
+        if self.board is None:
+            beats = store.rank_heartbeats(list(local_ranks))
+        else:
+            beats = self._board_beats(local_ranks)
         silent = []
         others = [node for node in range(self.nnodes) if node != self.node]
         for node, (node_gen, count) in store.agent_heartbeats(others).items():
@@ -58,3 +80,22 @@ class StoreLook:
             elif time.monotonic() - seen[1] > self.node_timeout_s:
                 silent.append((node, node_gen))
         return Look(giveup, current, beats, tuple(silent))
+
+    def published(self, rank: int, beat: Heartbeat) -> None:
+        """``beat`` was written to the store for ``rank`` by someone else (the agent starting it)."""
+        self._published[rank] = Heartbeat.parse(beat.encode().encode())  # as the board returns it
+
+    def _board_beats(self, local_ranks: Sequence[int]) -> dict[int, Heartbeat]:
+        assert self.board is not None and self.slots is not None
+        beats = {}
+        for rank in local_ranks:
+            beat = self.board.read(self.slots[rank])
+            if beat is None:  # its slot was never written: the beat the agent published starting it
+                beat = self._published.get(rank)
+                assert beat is not None, f"rank {rank} has no beat (the agent writes one as it starts a rank)"
+            beats[rank] = beat
+        changed = {r: b for r, b in beats.items() if self._published.get(r) != b}
+        if changed:
+            self.store.set_rank_heartbeats(changed)
+            self._published.update(changed)
+        return beats

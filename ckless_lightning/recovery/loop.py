@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ckless_lightning.comm import Generation, GenerationChanged, JobStore
+from ckless_lightning.comm.beat_board import HeartbeatWriter
 from ckless_lightning.models import resolve_mesh
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import reset_peak_rss, rss_bytes
@@ -121,6 +122,8 @@ class InProcessRecovery:
         device_busy: on an accelerator, whether it has unfinished work (:func:`~ckless_lightning.
             recovery.where.cuda_busy`): the agent's hang blame then tells a rank waiting on its
             device from one running its own code.
+        beats: where this rank's heartbeats go (:meth:`RankContext.beats`: its slot of the node
+            agent's board); None: the job store.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class InProcessRecovery:
         digest: StateDigest | None = None,
         elastic: ElasticPolicy | None = None,
         device_busy: Callable[[], bool] | None = None,
+        beats: HeartbeatWriter | None = None,
     ) -> None:
         self.generation = generation  # the job's view: every rank, the full mesh
         self.device_busy = device_busy
@@ -143,8 +147,10 @@ class InProcessRecovery:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.events = events
         self.faults = faults
+        self.beats: HeartbeatWriter = self.store if beats is None else beats
         self.session = GenerationSession(
             self.store,
+            beats=self.beats,
             rank=self.rank,
             world_size=generation.world_size,
             generation=generation.number,
@@ -212,7 +218,7 @@ class InProcessRecovery:
             init_timeout_s=init_timeout_s,
             join_timeout_s=join_timeout_s,
         )
-        return cls(generation, **kwargs)
+        return cls(generation, **{"beats": context.beats(store), **kwargs})
 
     # -- the loop ------------------------------------------------------------------------------------
     def fit(
@@ -482,7 +488,7 @@ class InProcessRecovery:
                 on_first_record=store.mark_state_recorded,
             )
             callbacks.append(self.snapshot_callback)
-        callbacks.append(HeartbeatCallback(self.store, rank=self.rank, generation=gen))
+        callbacks.append(HeartbeatCallback(self.beats, rank=self.rank, generation=gen))
         if self.events is not None:
             callbacks.append(TimelineCallback(self.events, rank=self.rank, generation=gen))
         return callbacks

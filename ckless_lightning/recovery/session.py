@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from ckless_lightning.comm import Heartbeat, JobStore
+from ckless_lightning.comm.beat_board import HeartbeatWriter
 from ckless_lightning.recovery.commit import GenerationChanged
 from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 
@@ -61,6 +62,7 @@ class JobFinished(RuntimeError):
 class GenerationSession:
     """This rank's view of the generations. Not thread-safe; one per rank process.
 
+    ``beats``: where this rank's heartbeats go (its slot of the node agent's board; None: ``store``).
     ``completed_step`` is the last optimizer step this rank completed (-1 until known); it goes into
     the heartbeats written while waiting, so the agent sees a live rank. ``active`` is the set of job
     ranks training in the generation last joined (all of them unless ``elastic``).
@@ -78,8 +80,10 @@ class GenerationSession:
         announce: Callable[..., None] | None = None,
         elastic: ElasticPolicy | None = None,
         on_standby: Callable[[int], None] | None = None,
+        beats: HeartbeatWriter | None = None,
     ) -> None:
         self.store = store
+        self.beats: HeartbeatWriter = store if beats is None else beats  # the node's board, or the store
         self.rank = rank
         self.world_size = world_size
         self.generation = generation
@@ -94,7 +98,7 @@ class GenerationSession:
     def beat_recovering(self, gen: int | None = None, phase: str = "recovery") -> None:
         """Tell the agent this rank is recovering (``agent.recovery_timeout`` applies, not hang_timeout)."""
         gen = self.generation if gen is None else gen
-        self.store.set_rank_heartbeat(self.rank, Heartbeat(gen, self.completed_step, time.time(), phase))
+        self.beats.set_rank_heartbeat(self.rank, Heartbeat(gen, self.completed_step, time.time(), phase))
 
     def leave(self) -> int:
         """Leave the current generation (after dropping its process groups); returns the next one.

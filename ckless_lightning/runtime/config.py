@@ -243,6 +243,7 @@ class AgentConfig:
     recovery_timeout: float = 300.0
     save_timeout: float = 600.0
     node_timeout: float = 30.0
+    local_beats: bool = True
     max_restarts: int = 3
     restart_window_s: float = 3600.0
     monitor_interval: float = 0.1

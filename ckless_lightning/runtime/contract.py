@@ -25,9 +25,15 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckless_lightning.comm import JobStore
+    from ckless_lightning.comm.beat_board import HeartbeatWriter
 
 __all__ = [
     "ENV_BATCH_CACHE",
+    "ENV_BEAT_BOARD",
     "ENV_GENERATION",
     "ENV_JOB_CONFIG",
     "ENV_JOB_SECRET",
@@ -53,6 +59,7 @@ __all__ = [
 ENV_GENERATION = "CKLESS_GENERATION"  # the job generation the process starts in
 ENV_STORE_ADDR = "CKLESS_STORE_ADDR"  # the job store (node 0's agent): heartbeats, tier 1+ process groups
 ENV_STORE_PORT = "CKLESS_STORE_PORT"
+ENV_BEAT_BOARD = "CKLESS_BEAT_BOARD"  # the node agent's heartbeat board; the rank's slot: LOCAL_RANK
 ENV_BATCH_CACHE = "CKLESS_BATCH_CACHE"  # tier 2: this node's batch cache directory
 ENV_SPAWN_TIME = "CKLESS_SPAWN_TIME"  # unix time the agent started (or assigned) the process
 ENV_LAUNCHER_PID = "CKLESS_LAUNCHER_PID"  # the agent's pid: die with it
@@ -106,6 +113,7 @@ class RankSpec:
     store_port: int
     store_secret: str = field(repr=False, default="")  # the job store's secret
     batch_cache: str | None = None  # tier 2: the node's batch cache directory
+    beat_board: str | None = None  # the node's heartbeat board (None: beat to the store)
 
     def env(self, spawn_time: float) -> dict[str, str]:
         """The process's variables: torchrun's plus ours. The one writer of the contract."""
@@ -123,6 +131,7 @@ class RankSpec:
             ENV_JOB_SECRET: self.store_secret,
             ENV_SPAWN_TIME: f"{spawn_time:.6f}",
             **({ENV_BATCH_CACHE: self.batch_cache} if self.batch_cache else {}),
+            **({ENV_BEAT_BOARD: self.beat_board} if self.beat_board else {}),
         }
 
 
@@ -151,10 +160,32 @@ class RankContext:
     store_secret: str = field(repr=False, default="")  # the job store's (CKLESS_JOB_SECRET)
     agent_pid: int | None = None
     batch_cache: str | None = None  # tier 2: this node's batch cache directory
+    local_rank: int = 0
+    beat_board: str | None = None  # the node agent's heartbeat board (None: beat to the store)
 
     @property
     def has_store(self) -> bool:
         return self.store_addr is not None and self.store_port is not None
+
+    def beats(self, store: JobStore) -> HeartbeatWriter:
+        """Where this rank's heartbeats go: its slot of the node agent's board (``comm/beat_board.py``),
+        or ``store`` (a :class:`~ckless_lightning.comm.JobStore`) when the agent gave none
+        (``agent.local_beats=false``). Either has ``set_rank_heartbeat(rank, beat)``.
+
+        Raises :class:`UsageError` when the board cannot be opened, with the setting that avoids it.
+        """
+        if self.beat_board is None:
+            return store
+        from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats
+
+        try:
+            board = BeatBoard.open(self.beat_board)
+        except OSError as err:
+            raise UsageError(
+                f"rank {self.rank} cannot open its node agent's heartbeat board {self.beat_board} ({err}); "
+                "set agent.local_beats=false to beat through the job store instead"
+            ) from err
+        return BoardBeats(board, rank=self.rank, slot=self.local_rank)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RankContext:
@@ -173,6 +204,8 @@ class RankContext:
             store_secret=env.get(ENV_JOB_SECRET, ""),
             agent_pid=int(agent_pid) if agent_pid else None,
             batch_cache=env.get(ENV_BATCH_CACHE),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            beat_board=env.get(ENV_BEAT_BOARD),
         )
 
 

@@ -393,7 +393,8 @@ def _train_once(run: _RankRun) -> pl.Trainer:
     store = None
     if context.has_store:
         store = JobStore.connect(context.store_addr, context.store_port, secret=context.store_secret)  # type: ignore[arg-type]
-        callbacks.append(HeartbeatCallback(store, rank=context.rank, generation=context.generation))
+        beats = context.beats(store)
+        callbacks.append(HeartbeatCallback(beats, rank=context.rank, generation=context.generation))
     strategy = CheckpointlessStrategy(
         replicate=job.cluster.replicate,
         shard=job.cluster.shard,
@@ -438,6 +439,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         digest=StateDigest(replication.digest_every) if replication.digest_every else None,
         elastic=build_elastic_policy(job),
         device_busy=_device_busy(job),
+        beats=context.beats(store),
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: run.trainer(

@@ -1,4 +1,5 @@
-"""Heartbeats to the node agent through the job store: before and after every training batch.
+"""Heartbeats to the node agent: before and after every training batch, into the node's heartbeat
+board (``comm/beat_board.py``; with ``agent.local_beats=false``, to the job store).
 
 The beat carries the last completed optimizer step, so the agent tells a rank
 that is starting up (step -1: ``agent.startup_timeout``) from one that stopped
@@ -16,23 +17,25 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from ckless_lightning.comm import Heartbeat, JobStore
+from ckless_lightning.comm import Heartbeat
+from ckless_lightning.comm.beat_board import HeartbeatWriter
 from ckless_lightning.training.steps import is_step_end
 
 __all__ = ["HeartbeatCallback"]
 
 
 class HeartbeatCallback(pl.Callback):
-    """Writes ``hb/<rank>`` = (generation, last completed step, time); no state to checkpoint."""
+    """Writes this rank's beat (generation, last completed step, time, phase) to ``beats`` (its board
+    slot or the job store's ``hb/<rank>``); no state to checkpoint."""
 
-    def __init__(self, store: JobStore, *, rank: int, generation: int) -> None:
-        self.store = store
+    def __init__(self, beats: HeartbeatWriter, *, rank: int, generation: int) -> None:
+        self.beats = beats
         self.rank = rank
         self.generation = generation
         self._started = False
 
     def beat(self, completed_step: int, phase: str = "step") -> None:
-        self.store.set_rank_heartbeat(
+        self.beats.set_rank_heartbeat(
             self.rank, Heartbeat(self.generation, completed_step, time.time(), phase)
         )
 
