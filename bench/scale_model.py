@@ -148,7 +148,8 @@ def phases(tier: int, n: int, v: dict[str, float], source: str = "hsdp") -> dict
     else:  # prepared warm spares take the lost ranks; survivors keep their processes
         restart, imports = v["handover_s"], 0.0
     trips = v["store_trips_t0"] if tier == 0 else v["store_trips_t1"] if tier <= 2 else v["store_trips_t3"]
-    gloo_gets = (n - 1) if (tier == 4 and source == "buddy") else 0  # world-size gloo group: full mesh
+    # tier 4 buddy: two gloo pair groups per rank (replication/buddy_links.py), one address read each
+    gloo_gets = 2 if (tier == 4 and source == "buddy") else 0
     store = trips * v["store_rtt_s"] + (trips + gloo_gets) * n / v["store_rps"]
     fixed = v["comm_t0_s"] if tier == 0 else v["comm_t1_s"] if tier <= 2 else v["comm_t3_s"]
     comm = fixed + v["nccl_init_s"] + v["nccl_init_per_krank_s"] * n / 1000
@@ -213,17 +214,17 @@ def risks(v: dict[str, float], scales=SCALES) -> list[str]:
         "One c10d TCPStore (node 0's agent) serves every rank, serially; at store_rps "
         f"{v['store_rps']:,.0f} req/s:",
         f"{'GPUs':>7} {'recovery trips':>15} {'vote/step':>10} {'vote % step':>12} {'rps for 1%':>12}"
-        f" {'heartbeat load':>15} {'buddy gloo mesh':>16}",
+        f" {'heartbeat load':>15} {'buddy pairs':>12}",
     ]
     for n in scales:
         trips = v["store_trips_t3"] * n / v["store_rps"]
         vote = vote_s(3, n, v)
         need = v["vote_trips"] * n / (0.01 * step)
         beats = v["heartbeat_trips"] * n / step / v["store_rps"]
-        mesh = n * (n - 1) / v["store_rps"]
+        pairs = 4 * n / v["store_rps"]  # two pair groups a rank: an address written and read for each
         lines.append(
             f"{n:>7,} {trips:>14.2f}s {vote:>9.3f}s {100 * vote / step:>11.1f}% {need:>12,.0f}"
-            f" {100 * beats:>14.1f}% {mesh:>15.1f}s"
+            f" {100 * beats:>14.1f}% {pairs:>11.2f}s"
         )
     lines += [
         "  recovery trips: store_trips_t3 x ranks / store_rps. vote: vote_trips x ranks / store_rps per step"
@@ -231,12 +232,11 @@ def risks(v: dict[str, float], scales=SCALES) -> list[str]:
         "  leave the clipping all-reduce together, so their adds arrive as a burst). rps for 1%: the rate one"
         " store would need to",
         "  keep the vote under 1% of a step. heartbeat load: the store's busy share from heartbeats alone."
-        " buddy gloo mesh: as",
-        "  built, tier 4's buddy source forms a world-size gloo group each generation (recovery/memory.py):"
-        " up to N-1 address",
-        "  reads per rank, N(N-1)/store_rps per recovery (fewer requests if gloo batches them, still O(N^2)"
-        " bytes through one",
-        "  store; `--tier4-source buddy` puts it in tier 4's 'store').",
+        " buddy pairs: tier 4's",
+        "  buddy source forms two gloo groups of two ranks per rank each generation"
+        " (replication/buddy_links.py, in three",
+        "  rounds whatever the world): 4N store requests, 4N/store_rps per recovery (it was a world-size"
+        " gloo mesh: N(N-1) reads).",
     ]
     return lines
 

@@ -107,19 +107,30 @@ def test_nccl_buddy_exchange_waits_are_bounded():
     assert seen == [timedelta(seconds=3.0)] * 2
 
 
-def test_nccl_buddy_exchange_group_is_gloo_with_the_generation_timeout(monkeypatch):
-    """Finding 3: the side group for host copies is gloo (NCCL cannot send CPU tensors) with the
-    generation's collective timeout, not gloo's 30-minute default."""
+def test_nccl_buddy_exchange_groups_are_gloo_pairs_with_the_generation_timeout(monkeypatch):
+    """Finding 3: the side groups for host copies are gloo (NCCL cannot send CPU tensors) with the
+    generation's collective timeout, not gloo's 30-minute default, formed on the generation's
+    bounded store namespace: one pair group to the buddy and one from the ward."""
     from ckless_lightning.recovery import memory
 
-    made: dict = {}
-    monkeypatch.setattr(memory.dist, "new_group", lambda **kwargs: made.update(kwargs) or "group")
-    generation = SimpleNamespace(pg_timeout_s=42.0)
-    copies = SnapshotCopies(rank=0, world_size=2, source="buddy")
+    made: list = []
+
+    def form(store, **kwargs):
+        made.append((store, kwargs))
+        return "links"
+
+    monkeypatch.setattr(memory, "form_buddy_links", form)
+    namespaces: list = []
+    job_store = SimpleNamespace(
+        process_group_store=lambda gen, init_timeout_s: namespaces.append((gen, init_timeout_s)) or "ns"
+    )
+    generation = SimpleNamespace(pg_timeout_s=42.0, store=job_store, number=3, init_timeout_s=7.0)
+    copies = SnapshotCopies(rank=1, world_size=4, source="buddy", buddy_offset=2)
     restore = memory.MemoryRestore(copies, generation, checkpoint_dir=None, bucket_bytes=1 << 20)  # type: ignore[arg-type]
     restore.attach()
-    assert made == {"backend": "gloo", "timeout": timedelta(seconds=42.0)}
-    assert copies.group == "group" and copies.wait_timeout_s == 42.0
+    assert namespaces == [(3, 7.0)]
+    assert made == [("ns", {"rank": 1, "world_size": 4, "offset": 2, "timeout": timedelta(seconds=42.0)})]
+    assert copies.links == "links" and copies.wait_timeout_s == 42.0
 
 
 def test_device_wait_is_reported_as_device_and_blamed_after_a_running_rank():

@@ -12,6 +12,7 @@ The end-to-end runs (a launched job, bitwise against the fault-free run) are in 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from ckless_lightning.replication import (
     buddy_sources,
 )
 from ckless_lightning.replication import fingerprint as fingerprint_module
+from ckless_lightning.replication.buddy_links import BuddyLinks, form_buddy_links
 from ckless_lightning.replication.fingerprint import (
     StateFingerprint,
     TensorSums,
@@ -206,11 +208,17 @@ def _restore_scenarios(rank: int, world: int, ports: list[int], events_dir: str)
     }
 
 
+def _buddy_links(store: JobStore, rank: int, world: int, name: str) -> BuddyLinks:
+    """Buddy pair groups on a namespace of their own (the job store stays in generation 0 here)."""
+    pg_store = dist.PrefixStore(f"{name}/", store.process_group_store(0, init_timeout_s=30.0))
+    return form_buddy_links(pg_store, rank=rank, world_size=world, offset=1, timeout=timedelta(seconds=30))
+
+
 def _restore_scenario(rank: int, world: int, port: int, scenario: str, events_path: str) -> dict:
     store = (JobStore.host if rank == 0 else JobStore.connect)("127.0.0.1", port, secret=SECRET)
     dist.barrier()  # every rank connected before rank 0 could finish and close the store
     snapshots = SnapshotCopies(rank=rank, world_size=world, source="buddy")
-    snapshots.attach(dist.new_group(backend="gloo"))
+    snapshots.attach(_buddy_links(store, rank, world, "before"))
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
     for step in (1, 2):
@@ -233,7 +241,7 @@ def _restore_scenario(rank: int, world: int, port: int, scenario: str, events_pa
     if scenario == "corrupt held loop" and rank == 3:
         assert corrupt_held_loop(snapshots) == 2  # rank 2's copy of step 2, in rank 3's memory
     generation = Generation(store, number=1, rank=rank, world_size=world, mesh=(1, world))
-    snapshots.attach(dist.new_group(backend="gloo"))
+    snapshots.attach(_buddy_links(store, rank, world, "after"))
     fresh = torch.nn.Linear(4, 3)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     restore = MemoryRestore(

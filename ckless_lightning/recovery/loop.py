@@ -516,6 +516,8 @@ class InProcessRecovery:
             traceback.print_exception(err, file=sys.stderr)
         if self.digest is not None:
             self.digest.release()  # its views would keep this generation's state alive
+        if self.snapshots is not None:
+            self.snapshots.detach()  # the buddy pair groups end with the generation's groups
         if dist.is_initialized():
             dist.destroy_process_group()
         self.session.leave()

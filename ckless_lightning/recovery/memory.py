@@ -56,6 +56,7 @@ from ckless_lightning.replication import (
     transfer_tensors,
 )
 from ckless_lightning.replication.adopt import adopt_optimizer_state, adopt_parameters
+from ckless_lightning.replication.buddy_links import form_buddy_links
 from ckless_lightning.replication.loop_state import decode_loop_state
 from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
@@ -107,16 +108,29 @@ class MemoryRestore:
         self.adopted = False  # this rank's new model runs on its live shards (set by ``adopt``)
 
     def attach(self) -> None:
-        """After the generation's process group exists: buddy copies get their own gloo group.
+        """After the generation's process group exists: buddy copies get their own gloo pair groups.
 
-        Host-memory copies travel beside the step's collectives (and NCCL cannot send CPU tensors).
-        Its operations time out with the generation's collectives (gloo's default is 30 minutes),
-        and so does every wait for an exchange (:attr:`SnapshotCopies.wait_timeout_s`).
+        Host-memory copies travel beside the step's collectives (and NCCL cannot send CPU tensors),
+        each rank's only to its buddy and from its ward: two groups of two ranks
+        (:func:`~ckless_lightning.replication.buddy_links.form_buddy_links`), formed on the
+        generation's store namespace (bounded, and ended by a generation change). Their operations
+        time out with the generation's collectives (gloo's default is 30 minutes), and so does every
+        wait for an exchange (:attr:`SnapshotCopies.wait_timeout_s`).
         """
-        if self.snapshots.source == "buddy":
-            timeout_s = self.generation.pg_timeout_s
-            self.snapshots.attach(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
-            self.snapshots.wait_timeout_s = timeout_s
+        copies, gen = self.snapshots, self.generation
+        if copies.source == "buddy":
+            timeout = timedelta(seconds=gen.pg_timeout_s)
+            store = gen.store.process_group_store(gen.number, init_timeout_s=gen.init_timeout_s)
+            copies.attach(
+                form_buddy_links(
+                    store,
+                    rank=copies.rank,
+                    world_size=copies.world_size,
+                    offset=copies.buddy_offset,
+                    timeout=timeout,
+                )
+            )
+            copies.wait_timeout_s = gen.pg_timeout_s
 
     def adopt(self, module: torch.nn.Module) -> bool:
         """Before the optimizers exist, on the model still on meta: a survivor's live shards become

@@ -15,11 +15,11 @@ the rank whose copies r holds is its *ward*, (r - offset) % world. After every
 ``every_n_steps``-th committed step each rank copies its local state into one
 of two own slots (double-buffered, so a fault during a copy never leaves a rank
 without a complete one), sends that slot to its buddy and receives its ward's
-into one of two held slots. The exchange runs asynchronously on its own gloo
-group, overlapped with the end of the step (logging, checkpointing) and the next
-batch fetch; it is settled (waited for) before the next step's first batch
-(``SnapshotCallback``) and before the rank leaves a generation, so a fault
-during a step always finds the last committed step's copies complete.
+into one of two held slots. The exchange runs asynchronously on the rank's two pair groups
+(:mod:`~ckless_lightning.replication.buddy_links`), overlapped with the end of the step (logging,
+checkpointing) and the next batch fetch; it is settled (waited for) before the next step's first
+batch (``SnapshotCallback``) and before the rank leaves a generation, so a fault during a step
+always finds the last committed step's copies complete.
 
 Nothing here knows Lightning: the loop counters arrive as opaque bytes.
 """
@@ -32,8 +32,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ckless_lightning.replication.buddy_links import BuddyLinks
 from ckless_lightning.replication.fingerprint import (
     StateFingerprint,
     TensorSums,
@@ -143,7 +143,7 @@ class SnapshotCopies:
     capture: LiveCapture | None = None  # the live state offered to the recovery in progress
     own: list[Snapshot] = field(default_factory=list)
     held: list[Snapshot] = field(default_factory=list)
-    group: Any = None  # the exchange's process group (buddy), one per generation
+    links: BuddyLinks | None = None  # the exchange's pair groups (buddy), one set per generation
     wait_timeout_s: float = 600.0  # the longest wait for an exchange (the generation's collective timeout)
     _pending: _Exchange | None = None
     _ward_like: list[torch.Tensor] | None = None  # meta tensors shaped like the ward's shard
@@ -162,10 +162,17 @@ class SnapshotCopies:
         return 2 * self.every_n_steps + 2
 
     # -- steady state ----------------------------------------------------------------------------------
-    def attach(self, group: Any) -> None:
-        """A new generation's exchange group (buddy); the ward's shard shapes are learned again."""
-        self.group = group
+    def attach(self, links: BuddyLinks) -> None:
+        """A new generation's exchange groups (buddy); the ward's shard shapes are learned again."""
+        self.links = links
         self._ward_like = None
+
+    def detach(self) -> None:
+        """The rank leaves its generation: drop the exchange groups (their connections close) and any
+        exchange still in flight (its held copy stays incomplete)."""
+        if self._pending is not None and self._pending.held is not None:
+            self._pending.held.complete = False
+        self._pending, self.links = None, None
 
     def copies_at(self, step: int) -> bool:
         """Whether ``step``'s record makes a copy and exchanges it (buddy, every k-th step)."""
@@ -201,12 +208,10 @@ class SnapshotCopies:
         own = self.own_copy(step)
         held = self._slot(self.held, self._ward_shapes(own.buffer.views), step)
         held.complete = False
-        ops = [
-            dist.P2POp(dist.isend, own.buffer.flat, peer=self.buddy, group=self.group),
-            dist.P2POp(dist.irecv, held.buffer.flat, peer=self.ward, group=self.group),
-        ]
+        assert self.links is not None, "exchange before attach"
         held.step = step
-        self._pending = _Exchange(dist.batch_isend_irecv(ops), held, step)
+        works = [self.links.send(own.buffer.flat), self.links.recv(held.buffer.flat)]
+        self._pending = _Exchange(works, held, step)
 
     def settle(self, timeout_s: float | None = None) -> bool:
         """Wait for the exchange in flight, if any, at most ``timeout_s`` (default
@@ -277,18 +282,16 @@ class SnapshotCopies:
 
     # -- internals -------------------------------------------------------------------------------------
     def _ward_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Meta tensors shaped like the ward's shard, learned once per generation (collective).
+        """Meta tensors shaped like the ward's shard, learned once per generation (from the ward).
 
         FSDP2 shards dim 0 unevenly when the world size does not divide it (a rank's shard can
         even be empty), so the ward's copy is not shaped like this rank's own.
         """
         if self._ward_like is None:
+            assert self.links is not None, "exchange before attach"
             mine = [(tuple(t.shape), t.dtype) for t in tensors]
-            everyone: list[Any] = [None] * self.world_size
-            dist.all_gather_object(everyone, mine, group=self.group)
-            self._ward_like = [
-                torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in everyone[self.ward]
-            ]
+            theirs = self.links.swap_shapes(mine, timedelta(seconds=self.wait_timeout_s))
+            self._ward_like = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in theirs]
         return self._ward_like
 
     def _slot(self, slots: list[Snapshot], like: Sequence[torch.Tensor], step: int) -> Snapshot:
