@@ -43,8 +43,9 @@ class Row:
 
 
 def _barrier(store: dist.TCPStore, name: str, world: int) -> None:
-    store.add(name, 1)
-    store.wait([f"{name}/all"]) if store.add(name, 0) < world else store.set(f"{name}/all", "1")
+    if store.add(name, 1) == world:  # the last to arrive releases the others
+        store.set(f"{name}/all", "1")
+    store.wait([f"{name}/all"])  # bounded by the client's timeout
 
 
 def _rank(mode: str, rank: int, world: int, offset: int, port: int, out: mp.Queue) -> None:
