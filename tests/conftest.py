@@ -98,6 +98,19 @@ def launch_job(
     return result
 
 
+def left_behind_traces(run_dir: Path, lines: int = 60) -> str:
+    """For a failing assertion's message: each rank log's account of a rank that exited left behind
+    (``comm.stuck_exit_s``: still blocked on peers after its cut), with the main thread's stack it
+    printed; empty when none did."""
+    found = []
+    for log in sorted((run_dir / "rank_logs").glob("rank*.log")):
+        text = log.read_text(errors="replace").splitlines()
+        for i, line in enumerate(text):
+            if "still blocked on peers" in line:
+                found.append(f"--- {log.name} ---\n" + "\n".join(text[max(0, i - 10) : i + lines]))
+    return "\n".join(found)
+
+
 # One fault-free llama3_tiny run on 4 ranks, 12 steps, checkpoint every 5, samples recorded: the
 # reference of test_agent.py, test_tier2.py and test_slurm.py (faults there change nothing else).
 TINY_REFERENCE = ("trainer.max_steps=12", "checkpoint.every_n_steps=5", "data.record_samples=true")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_REFERENCE, launch_command
+from conftest import TINY_REFERENCE, launch_command, left_behind_traces
 from test_agent import events_of, job_processes
 
 from ckless_lightning.record.loss_log import read_losses
@@ -121,7 +121,9 @@ def test_outside_kill_and_stop_are_rows_recoveries_and_marks(outside, reference_
     assert read_losses(job.run / "losses.jsonl") == read_losses(reference / "losses.jsonl")  # bitwise
 
     summary = summarize_run(job.run)
-    assert [f.name for f in summary.faults] == ["SIGKILL@1", "stopped@3"], summary.format()
+    assert [f.name for f in summary.faults] == ["SIGKILL@1", "stopped@3"], (
+        summary.format() + left_behind_traces(job.run)
+    )
     assert all(f.injected_by is None and f.recovered for f in summary.faults)
     assert {(f.rank, f.old_gen) for f in summary.faults} == detected(job.run)  # one row per fault seen
     assert summary.startup_s is not None and summary.startup_s > 0
