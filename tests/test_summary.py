@@ -332,6 +332,33 @@ def test_fault_during_recovery_is_superseded():
     )
 
 
+def test_a_start_over_is_the_recovery_of_the_fault_that_lost_the_state():
+    """Tier 4: ranks 0 and 1 (a rank and its buddy) SIGKILLed; generation 1 finds rank 0's state held
+    nowhere and no disk checkpoint, so every rank leaves it to start over (``start_over``). The two
+    kills are the faults; the start-over is no third one, and the recovery ends at generation 2's
+    first step."""
+    events = gen0()
+    leave = {"phase": "recovery_start", "own": False}
+    events += [
+        ev(1011.0, "rank_phase", "rank2", rank=2, gen=0, error="RuntimeError: Connection closed by peer",
+           completed_step=3, **leave),
+        ev(1011.0, "generation", "rank2", gen=1, reason="fault"),
+        ev(1011.1, "fault_detected", by="agent0", rank=0, reason="exit", exit_code=-9, failed_ranks=[0, 1],
+           completed_step=3, gen=0),
+        ev(1011.1, "fault_detected", by="agent0", rank=1, reason="exit", exit_code=-9, failed_ranks=[0, 1],
+           completed_step=3, gen=0),
+        *[ev(1012.0, "rank_phase", f"rank{r}", rank=r, gen=1, error="StartOver: tier 4: ...",
+             completed_step=0, start_over=True, **leave) for r in range(4)],
+        ev(1012.0, "generation", "rank3", gen=2, reason="fault"),
+        *[ev(1013.0, "rank_phase", f"rank{r}", rank=r, gen=2, phase="first_step_done", step=1)
+          for r in range(4)],
+        ev(1015.0, "job_end", exit_code=0, final_step=12),
+    ]  # fmt: skip
+    summary = summarize(events)
+    assert [f.name for f in summary.faults] == ["SIGKILL@0", "SIGKILL@1"], summary.format()
+    assert summary.faults[1].total_s == pytest.approx(1.9)  # its detection -> generation 2's first step
+
+
 def test_no_faults_and_empty():
     s = summarize([*gen0(), ev(1020.0, "job_end", exit_code=0, final_step=20)],
                   loss_records([(i, 1010.0 + 0.5 * (i - 1)) for i in range(1, 21)]))  # fmt: skip

@@ -31,7 +31,9 @@ line N of ``losses.jsonl``. The kinds and their fields:
     completed). A phase a tier skips is not emitted. In-process recovery (tiers 3-4)
     adds, before ``comm_init_start``: ``recovery_start`` (gen = the failed generation;
     ``error``: what this rank saw; ``own``: it was this rank's own error, not a lost peer or a moved
-    generation; ``completed_step``: the last step it had completed),
+    generation, nor a start-over; ``start_over``: present, true, when tier 4 lost state it had no disk
+    checkpoint for and every rank starts over: the recovery of an earlier fault, not a new one;
+    ``completed_step``: the last step it had completed),
     ``generation_left`` (its process group dropped),
     ``generation_joined`` (gen = the new generation: every rank is in it), and
     ``resume_chosen`` (``resumed_from``: the checkpoint, or "memory" at tier 4).

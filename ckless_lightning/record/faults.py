@@ -214,6 +214,7 @@ def _explain_generation_moves(faults: list[ObservedFault], events: list[dict[str
     earliest of its observation and its peers' noticing it (they often see it first)."""
     moves: dict[int, dict[str, Any]] = {}  # generation left for a fault -> the generation event
     noticed: dict[int, dict[str, Any]] = {}  # generation -> its first rank leaving it for a peer's fault
+    started_over: set[int] = set()  # generations left to start over: the recovery of an earlier fault
     latest = 0
     for event in events:
         if event["kind"] == "generation":
@@ -222,11 +223,15 @@ def _explain_generation_moves(faults: list[ObservedFault], events: list[dict[str
             latest = max(latest, int(event["gen"]))
         elif event["kind"] == "rank_phase" and event["phase"] == "recovery_start" and not event.get("own"):
             noticed.setdefault(int(event["gen"]), event)
+            if event.get("start_over"):
+                started_over.add(int(event["gen"]))
     rank_faults = [f for f in faults if f.what in ("rank", "node") and f.outcome is None]
     for gen, move in sorted(moves.items()):
         sign = min((e for e in (move, noticed.get(gen)) if e is not None), key=lambda e: float(e["t"]))
         hit = [f for f in rank_faults if f.gen == gen]
         if not hit:
+            if gen in started_over:  # tier 4 lost state it had no disk checkpoint for: no new fault
+                continue
             seen = noticed.get(gen)
             detail = f"its peers saw: {seen.get('error', '')}"[:160] if seen else "no rank said why"
             faults.append(ObservedFault(float(sign["t"]), "rank", None, gen, "unseen", detail))

@@ -53,7 +53,7 @@ from ckless_lightning.recovery.commit import StateDisagreement, StepCommit
 from ckless_lightning.recovery.device_fault import exit_on_device_fault
 from ckless_lightning.recovery.digest import StateDigest
 from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
-from ckless_lightning.recovery.memory import MemoryRestore
+from ckless_lightning.recovery.memory import MemoryRestore, StartOver
 from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
 from ckless_lightning.recovery.sever import fail_fast
 from ckless_lightning.recovery.watch import GenerationWatch
@@ -497,13 +497,16 @@ class InProcessRecovery:
         """Drop the process group and move past the current generation (a fault, also in recovery)."""
         old = self.session.generation
         completed = self.session.completed_step
-        own = not (is_peer_failure(err) or isinstance(err, GenerationChanged))
+        # A start-over is the recovery's own fallback (state lost, no disk checkpoint), part of the
+        # recovery of the fault that lost the state: not a fault of this rank's.
+        own = not (is_peer_failure(err) or isinstance(err, (GenerationChanged, StartOver)))
         self._phase(
             "recovery_start",
             old,
             error=f"{type(err).__name__}: {str(err)[:200]}",
             own=own,
             completed_step=completed,
+            **({"start_over": True} if isinstance(err, StartOver) else {}),
         )
         print(
             f"rank {self.rank}: leaving generation {old} after step {completed} "
