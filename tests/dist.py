@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -63,7 +64,12 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
     # finishing its last collective under load ("terminate called without an active exception").
     # A peer that never comes is the parent's timeout to handle (it kills every rank).
     dist.barrier()
-    dist.destroy_process_group()
+    # Then end without destructors: once, under load, a rank aborted (SIGABRT) after its result was
+    # written, in the teardown of a test's FSDP2 and DeviceMesh groups at interpreter exit; what a
+    # rank returns is already on disk, and the parent judges by it and by the exit code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _read_result(out_dir: str, rank: int) -> tuple[str, Any, float] | None:
