@@ -175,6 +175,31 @@ def test_replaced_ranks_restore_from_memory_bitwise(tmp_path, data_cache, refere
 
 
 @pytest.mark.timeout(900)
+def test_a_collective_step_vote_restores_from_memory_bitwise(tmp_path, data_cache, references):
+    """``comm.vote=collective``: the same buddy restores with the vote as an all-reduce (no store
+    request per step), ranks killed before, in and after it: bitwise, every restore from memory."""
+    plan = [
+        ("kill", 0, 3, "forward"),
+        ("kill", 1, 5, "commit"),  # after the vote, before the update: its peers applied the step
+        ("kill", 2, 7, "grad_reduction"),  # before the vote
+        ("kill", 3, 9, "optimizer"),
+    ]
+    run = run_plan(
+        tmp_path,
+        data_cache,
+        "llama3_tiny",
+        MESHES["llama3_tiny", "buddy"],
+        plan,
+        *NO_DISK,
+        "comm.vote=collective",
+    )
+    assert_same_run(run, references["llama3_tiny", "buddy"], tmp_path, STEPS)
+    done = restores(run)
+    assert done and all(r["step"] is not None for r in done), done
+    assert {rank for _, rank, _, _ in plan} <= {rank for r in done for rank in r["lost"]}, done
+
+
+@pytest.mark.timeout(900)
 def test_lost_replica_pair_and_corrupt_bucket_fall_back_to_disk(tmp_path, data_cache, references):
     """Shard 1 of both replicas killed at once: no live copy, so the job reloads the step-4
     checkpoint and says which shard was lost. Then a replaced rank's only source corrupts a

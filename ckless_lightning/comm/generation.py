@@ -32,6 +32,7 @@ class Generation:
             (``comm.stuck_grace_s``); then its generation watch cuts its connections.
         stuck_exit_s: how long it may then stay blocked on peers (``comm.stuck_exit_s``) before it
             exits for its agent to replace it.
+        vote: how the step vote is decided (``comm.vote``): ``store`` or ``collective``.
         active: an elastic generation that trains some of the job's ranks: their job ranks, in the
             order of their ranks here (``rank`` and ``world_size`` are this generation's); None:
             every job rank, rank ``r`` is job rank ``r``.
@@ -47,6 +48,7 @@ class Generation:
     join_timeout_s: float = 900.0
     stuck_grace_s: float = 0.25
     stuck_exit_s: float = 10.0
+    vote: str = "store"
     active: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

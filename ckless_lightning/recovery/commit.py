@@ -22,6 +22,15 @@ each shard: when some disagree, the decision is ``disagree <ranks> <trusted step
 moves to a new generation and resumes from the last checkpoint of a step up to the trusted one:
 no rank's live state is trusted, since the corrupt replica's gradients have entered every
 replica's update since the corruption).
+
+With ``comm.vote=collective`` (:attr:`Generation.vote`), the vote is instead a one-element
+all-reduce (MIN) on the generation's process group: each rank contributes 1, or 0 once its
+generation watch has seen the job move; the step commits when every rank contributed 1. No store
+request per step, and every rank that gets the result gets the same one. A fault inside the
+all-reduce can end it on some ranks and not others, so survivors can be one step apart: the
+recovery then resumes at a step every rank can reach (tier 4: from copies or the disk,
+:func:`~ckless_lightning.replication.source_map.buddy_sources`; tier 3: the disk), never at a mix.
+It carries no state digest (the config refuses the two together).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ckless_lightning.comm import Generation, GenerationChanged, JobStore
 from ckless_lightning.recovery.digest import StateDigest, disagreeing, replica_groups
@@ -102,16 +112,11 @@ class StepCommit:
         """Vote for ``step``; ``state`` gives this rank's local state tensors (for the digest)."""
         start, cpu_start = time.perf_counter(), time.thread_time()
         store, gen = self.generation.store, self.generation.number
-        if self.digest is not None and state is not None:
-            store.post_digest(gen, step, self.generation.rank, self.digest.of(state(), step))
-        if store.vote(gen, step) >= self.generation.world_size:
-            # The last voter commits only in a current generation: ranks learn of a move (an
-            # elastic grow, a rank leaving) at their next vote, between collectives, not from the
-            # watch's cut in the middle of one.
-            moved = store.generation() != gen
-            decision = store.decide(gen, step, "abandon" if moved else self._judge(step))
+        if self.generation.vote == "collective":
+            assert self.digest is None, "comm.vote=collective carries no state digest"
+            decision = self._all_reduce()
         else:
-            decision = self._wait(step)
+            decision = self._store_vote(step, state)
         self.wait_s += time.perf_counter() - start
         self.cpu_s += time.thread_time() - cpu_start
         self.votes += 1
@@ -121,6 +126,29 @@ class StepCommit:
             raise StateDisagreement(gen, store.generation(), step, suspects, int(trusted))
         if decision != b"commit":
             raise GenerationChanged(gen, store.generation(), f"voting on step {step}: abandoned")
+
+    def _store_vote(self, step: int, state: Callable[[], Sequence[torch.Tensor]] | None) -> bytes:
+        """The vote through the job store: count this rank's vote, then decide (the last voter) or
+        wait for the decision."""
+        store, gen = self.generation.store, self.generation.number
+        if self.digest is not None and state is not None:
+            store.post_digest(gen, step, self.generation.rank, self.digest.of(state(), step))
+        if store.vote(gen, step) >= self.generation.world_size:
+            # The last voter commits only in a current generation: ranks learn of a move (an
+            # elastic grow, a rank leaving) at their next vote, between collectives, not from the
+            # watch's cut in the middle of one.
+            moved = store.generation() != gen
+            return store.decide(gen, step, "abandon" if moved else self._judge(step))
+        return self._wait(step)
+
+    def _all_reduce(self) -> bytes:
+        """The vote as a collective: MIN over every rank of 1 (0 once this rank's watch saw the job
+        leave the generation). A peer lost during it raises here, as any collective does."""
+        on_gpu = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        flag = torch.tensor([0 if self._moved else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return b"commit" if int(flag.item()) == 1 else b"abandon"
 
     def _judge(self, step: int) -> str:
         """The deciding rank's decision: ``commit``, or ``disagree`` when replicas' digests differ."""

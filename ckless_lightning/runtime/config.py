@@ -273,6 +273,9 @@ class AgentConfig:
             raise ValueError(f"agent.stop_grace_s must be >= 0 seconds, got {self.stop_grace_s}")
 
 
+VOTES = ("store", "collective")  # comm.vote: how the ranks decide a step's commit
+
+
 @dataclass
 class CommConfig:
     """How ranks form their process groups.
@@ -294,6 +297,12 @@ class CommConfig:
     how long it may then stay blocked waiting on peers (a wait in C++ the cut does
     not reach, such as gloo connecting to a peer that left) before it exits for its
     agent to replace it.
+
+    ``vote`` (tiers 3-4): how the ranks decide each step's commit. ``store``: through the job store
+    (three requests per rank and step at the one store of the job); ``collective``: a one-element
+    all-reduce on the generation's process group, no store request (a fault inside it can leave
+    the survivors one step apart; the recovery then resumes where all of them can, from copies or
+    the disk). ``collective`` does not carry the HSDP state digest (``replication.digest_every``).
     """
 
     rootless: bool = False
@@ -302,11 +311,14 @@ class CommConfig:
     join_timeout_s: float = 900.0
     stuck_grace_s: float = 0.25
     stuck_exit_s: float = 10.0
+    vote: str = "store"
 
     def __post_init__(self) -> None:
         for key in ("pg_timeout_s", "init_timeout_s", "join_timeout_s", "stuck_grace_s", "stuck_exit_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"comm.{key} must be a positive number of seconds, got {getattr(self, key)}")
+        if self.vote not in VOTES:
+            raise ValueError(f"comm.vote must be one of {', '.join(VOTES)}, got {self.vote!r}")
 
 
 @dataclass
@@ -433,6 +445,17 @@ class JobConfig:
             )
         if self.tier == 4:
             self._check_redundancy()
+        if (
+            self.comm.vote == "collective"
+            and self.tier >= 3
+            and self.cluster.replicate >= 2
+            and self.replication.digest_every
+        ):
+            raise ValueError(
+                "comm.vote=collective does not carry the HSDP replicas' state digest "
+                f"(replication.digest_every={self.replication.digest_every}, cluster.replicate="
+                f"{self.cluster.replicate}): use comm.vote=store, or replication.digest_every=0"
+            )
         if self.elastic.enabled:
             self._check_elastic()
         faults = self.fault_entries()

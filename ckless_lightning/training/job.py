@@ -380,6 +380,7 @@ def _generation(job: JobConfig, context: RankContext, store: JobStore) -> Genera
         join_timeout_s=job.comm.join_timeout_s,
         stuck_grace_s=job.comm.stuck_grace_s,
         stuck_exit_s=job.comm.stuck_exit_s,
+        vote=job.comm.vote,
     )
 
 
