@@ -1,7 +1,7 @@
 """The job's control plane at scale, without training: N simulated ranks against the real job store.
 
     python bench/control_plane.py [--ranks 8 64 256 1024] [--ranks-per-node 8] [--step-ms 100]
-                                  [--steps 30] [--kill-step 15] [--tier 4] [--vote wait|poll]
+                                  [--steps 30] [--kill-step 15] [--tier 4] [--vote wait|poll|collective]
                                   [--beats local|store] [--json PATH]
 
 Everything that is not the model runs as the job runs it, one thread per simulated rank and per
@@ -21,6 +21,11 @@ simulated node agent, in this process, against a real ``TCPStore`` hosting the j
   starts a replacement rank (new connections; heartbeat and membership written as the agent does);
 - one rank dies before its vote on ``--kill-step`` (its thread ends; a real rank's process would);
   the others find out in the vote, leave, and join the next generation with the replacement.
+
+``--vote collective`` (``comm.vote=collective``): the vote is an all-reduce on the generation's
+process group, not store traffic; here an in-memory rendezvous of the generation's rank threads
+stands in for it (the MIN of each rank's flag: 0 once its watch saw the job move), and a rank's death
+fails its peers' pending rendezvous as a closed connection fails a collective.
 
 Not simulated: process groups (their formation through the store is torch's: gloo's full mesh
 costs O(world) store requests per rank; ``bench/scale_model.py`` models it), tier 4's state
@@ -168,6 +173,7 @@ class Job:
     kill_step: int
     tier: int
     blocking_vote: bool = True  # False: waiting votes poll the decision (the design before)
+    collective_vote: bool = False  # True: comm.vote=collective (SimAllReduce), no store request
     local_beats: bool = True  # False: every rank beats to the store (agent.local_beats=false, before)
     host: TCPStore = field(init=False)
     boards: dict[int, BeatBoard] = field(default_factory=dict)  # node -> its agent's heartbeat board
@@ -184,8 +190,10 @@ class Job:
     dead: set[int] = field(default_factory=set)
     done: threading.Event = field(default_factory=threading.Event)
     errors: list[str] = field(default_factory=list)
+    allreduce: SimAllReduce = field(init=False)
 
     def __post_init__(self) -> None:
+        self.allreduce = SimAllReduce(self.world)
         self.host = connect_store("127.0.0.1", 0, is_master=True)
         JobStore(self.host, secret=SECRET)._tcp.set("job", "1")  # as JobStore.host does
         if self.local_beats:
@@ -211,6 +219,38 @@ class Job:
     def snapshot(self) -> Counter[str]:
         with self.lock:
             return Counter(self.counts)
+
+
+class PeerLost(RuntimeError):
+    """The simulated collective vote lost a member (a real one fails with "Connection closed by peer")."""
+
+
+class SimAllReduce:
+    """The collective vote's stand-in, in memory: per (generation, step), the MIN of the ranks' flags
+    once all ``world`` arrived; a member's death, or the job leaving the generation (its ranks'
+    watches cut their connections), fails every vote of the generation still waiting
+    (:meth:`break_generation`)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.cond = threading.Condition()
+        self.votes: dict[tuple[int, int], list[int]] = {}
+        self.broken: set[int] = set()
+
+    def vote(self, gen: int, step: int, flag: int, timeout_s: float = 600.0) -> bytes:
+        with self.cond:
+            flags = self.votes.setdefault((gen, step), [])
+            flags.append(flag)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: gen in self.broken or len(flags) >= self.world, timeout_s)
+            if len(flags) < self.world:  # (a real one can also end on some ranks and fail on others)
+                raise PeerLost(f"generation {gen}, step {step}: a peer left the collective")
+            return b"commit" if min(flags) == 1 else b"abandon"
+
+    def break_generation(self, gen: int) -> None:
+        with self.cond:
+            self.broken.add(gen)
+            self.cond.notify_all()
 
 
 class SimRank(threading.Thread):
@@ -257,7 +297,7 @@ class SimRank(threading.Thread):
                 rank,
                 waiter=self.waiter,
                 on_stuck=lambda: None,
-                on_moved=commit.job_left if self.vote_waiter is not None else None,
+                on_moved=self._on_moved(commit, gen),
             )
             watch.start()
             try:
@@ -269,7 +309,11 @@ class SimRank(threading.Thread):
                         self._die(watch)
                         return
                     start = time.perf_counter()
-                    commit.vote(step)
+                    if job.collective_vote:
+                        if job.allreduce.vote(gen, step, 0 if watch.moved else 1) != b"commit":
+                            raise GenerationChanged(gen, gen + 1, f"voting on step {step}: abandoned")
+                    else:
+                        commit.vote(step)
                     job.votes.append((time.monotonic(), time.perf_counter() - start))
                     beats.beat(step)  # on_train_batch_end
                     if job.tier >= 4:
@@ -279,7 +323,7 @@ class SimRank(threading.Thread):
                         next_where = time.monotonic() + WHERE_INTERVAL_S
                     self.session.completed_step = step
                     step += 1
-            except GenerationChanged:
+            except (GenerationChanged, PeerLost):
                 watch.stop()
                 self.session.leave()
                 gen = self._join()
@@ -288,6 +332,13 @@ class SimRank(threading.Thread):
             watch.stop()
         if rank == 0:
             job.done.set()
+
+    def _on_moved(self, commit: StepCommit, gen: int) -> Any:
+        """What the rank's watch does when the job leaves ``gen``: abandon a waiting store vote; for
+        the collective, the cut that fails the generation's pending collectives."""
+        if self.job.collective_vote:
+            return lambda store: self.job.allreduce.break_generation(gen)
+        return commit.job_left if self.vote_waiter is not None else None
 
     def _join(self) -> int:
         gen = self.session.join()
@@ -304,6 +355,7 @@ class SimRank(threading.Thread):
         """The rank's process ends: no more requests of its own (its watch's pending wait dies too)."""
         job = self.job
         watch._stop.set()  # a dead process's watch thread dies with it; here it just returns on its wake-up
+        job.allreduce.break_generation(watch.generation)  # its connections close: a collective fails
         job.fault_counts = job.snapshot()
         job.fault_at = time.monotonic()
         with job.lock:
@@ -378,13 +430,24 @@ def simulate(
     tier: int,
     blocking_vote: bool = True,
     local_beats: bool = True,
+    collective_vote: bool = False,
 ) -> Row:
     """Run one simulated job of ``world`` ranks to its end; its figures."""
     if world % per_node:
         raise SystemExit(f"--ranks {world} is not a multiple of --ranks-per-node {per_node}")
     if not 6 < kill_step < steps:
         raise SystemExit(f"--kill-step {kill_step} must be in 7..{steps - 1} (a steady window before it)")
-    job = Job(world, per_node, step_ms / 1000.0, steps, kill_step, tier, blocking_vote, local_beats)
+    job = Job(
+        world,
+        per_node,
+        step_ms / 1000.0,
+        steps,
+        kill_step,
+        tier,
+        blocking_vote=blocking_vote,
+        local_beats=local_beats,
+        collective_vote=collective_vote,
+    )
     ranks = [SimRank(job, r) for r in range(world)]
     agents = [SimAgent(job, n) for n in range(job.nodes)]
     for thread in (*agents, *ranks):
@@ -436,9 +499,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--tier", type=int, choices=(3, 4), default=4)
     parser.add_argument(
         "--vote",
-        choices=("wait", "poll"),
+        choices=("wait", "poll", "collective"),
         default="wait",
-        help="how a waiting vote learns the decision: blocked in the store (today) or polling (before)",
+        help="the step vote: through the store, a waiting voter blocked in it (comm.vote=store) or "
+        "polling it (before); or an all-reduce (comm.vote=collective)",
     )
     parser.add_argument(
         "--beats",
@@ -461,8 +525,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
             steps=args.steps,
             kill_step=args.kill_step,
             tier=args.tier,
-            blocking_vote=args.vote == "wait",
+            blocking_vote=args.vote != "poll",
             local_beats=args.beats == "local",
+            collective_vote=args.vote == "collective",
         )
         rows.append(row)
         print(
