@@ -98,6 +98,30 @@ def launch_job(
     return result
 
 
+def left_behind_ranks(run_dir: Path) -> set[int]:
+    """Ranks that exited left behind (``comm.stuck_exit_s``: code 6), by their rank logs.
+
+    A survivor is sometimes still blocked in a gloo collective 10 s after the job moved on and its
+    connections were cut (seen about once in three CI runs, never here: FSDP2's forward all-gather,
+    ``work.wait()``); the product then ends it and its agent replaces it, bitwise. Tests of the
+    fault rows set such a rank's extra ``exit(6)`` row aside (:func:`rows_besides_left_behind`)
+    and print its stack; the issue is open (docs/troubleshooting.md)."""
+    ranks = set()
+    for log in (run_dir / "rank_logs").glob("rank*.log"):
+        if "still blocked on peers" in log.read_text(errors="replace"):
+            ranks.add(int(log.stem.removeprefix("rank")))
+    return ranks
+
+
+def rows_besides_left_behind(names: list[str], run_dir: Path) -> list[str]:
+    """Fault row names without the ``exit(6)@r`` rows of ranks that exited left behind (their stacks
+    are printed, for the record)."""
+    left = left_behind_ranks(run_dir)
+    if left:
+        print(f"ranks {sorted(left)} exited left behind:\n{left_behind_traces(run_dir)}")
+    return [name for name in names if name not in {f"exit(6)@{r}" for r in left}]
+
+
 def left_behind_traces(run_dir: Path, lines: int = 60) -> str:
     """For a failing assertion's message: each rank log's account of a rank that exited left behind
     (``comm.stuck_exit_s``: still blocked on peers after its cut), with the main thread's stack it

