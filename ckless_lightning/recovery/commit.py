@@ -102,6 +102,7 @@ class StepCommit:
         self._waiting: int | None = None  # the step this rank waits on (read by job_left's thread)
         self._moved = False  # set by job_left: the job left this generation
         self.digest = digest
+        assert digest is None or generation.vote == "store", "comm.vote=collective carries no state digest"
         self.groups = replica_groups(*generation.mesh) if digest is not None else []
         self.on_disagreement = on_disagreement or (lambda **fields: None)
         self.wait_s = 0.0
@@ -113,7 +114,6 @@ class StepCommit:
         start, cpu_start = time.perf_counter(), time.thread_time()
         store, gen = self.generation.store, self.generation.number
         if self.generation.vote == "collective":
-            assert self.digest is None, "comm.vote=collective carries no state digest"
             decision = self._all_reduce()
         else:
             decision = self._store_vote(step, state)
