@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import torch.distributed as dist
 from control_plane import CountingStore
 
+from ckless_lightning.recovery.sever import tcp_connections
 from ckless_lightning.replication.buddy_links import form_buddy_links
 
 _TIMEOUT = timedelta(seconds=120)
@@ -54,11 +54,7 @@ def _rank(mode: str, rank: int, world: int, offset: int, port: int, out: mp.Queu
     counted = CountingStore(client, counts, threading.Lock())
 
     def peers() -> int:
-        return sum(
-            1
-            for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_ESTABLISHED and c.raddr and port not in (c.laddr.port, c.raddr.port)
-        )
+        return sum(1 for local, remote in tcp_connections() if port not in (local[1], remote[1]))
 
     _barrier(client, "start", world)
     start = time.time()
