@@ -195,7 +195,7 @@ class Job:
     def __post_init__(self) -> None:
         self.allreduce = SimAllReduce(self.world)
         self.host = connect_store("127.0.0.1", 0, is_master=True)
-        JobStore(self.host, secret=SECRET)._tcp.set("job", "1")  # as JobStore.host does
+        JobStore(self.host, secret=SECRET).open_job()  # as JobStore.host does
         if self.local_beats:
             self.boards = {node: BeatBoard.create(self.per_node) for node in range(self.nodes)}
 
@@ -241,7 +241,8 @@ class SimAllReduce:
         with self.cond:
             flags = self.votes.setdefault((gen, step), [])
             flags.append(flag)
-            self.cond.notify_all()
+            if len(flags) == self.world:  # only the last arrival can end the others' wait (waking
+                self.cond.notify_all()  # every waiter at each arrival is N**2 wake-ups a step)
             self.cond.wait_for(lambda: gen in self.broken or len(flags) >= self.world, timeout_s)
             if len(flags) < self.world:  # (a real one can also end on some ranks and fail on others)
                 raise PeerLost(f"generation {gen}, step {step}: a peer left the collective")
@@ -377,9 +378,11 @@ class SimAgent(threading.Thread):
             node=node,
             nnodes=job.nodes,
             node_timeout_s=30.0,
+            agent_id=f"sim-agent-{node}",
             board=self.board,
             slots={rank: slot for slot, rank in enumerate(self.local)} if self.board else None,
         )
+        self.store.set_node_owner(node, f"sim-agent-{node}")  # as NodeAgent does as it starts
         for rank in self.local:  # as NodeAgent.start_rank, before the rank's process starts
             self._first_beat(rank, 0)
 

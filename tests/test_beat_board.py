@@ -79,16 +79,26 @@ def test_a_board_that_cannot_be_opened_is_a_config_error_naming_the_setting(tmp_
 class _CountingJobStore(JobStore):
     published: list[dict[int, Heartbeat]]
 
-    def set_rank_heartbeats(self, beats):
-        self.published.append(dict(beats))
-        super().set_rank_heartbeats(beats)
+    def agent_pass_write(self, node, gen, count, beats):
+        if beats:
+            self.published.append(dict(beats))
+        super().agent_pass_write(node, gen, count, beats)
 
 
 def test_the_agents_look_reads_the_board_and_publishes_what_changed_in_one_request(board):
     host = JobStore.host("127.0.0.1", 0, secret=SECRET)
     store = _CountingJobStore(host._server, secret=SECRET)
     store.published = []
-    look = StoreLook(store, node=0, nnodes=1, node_timeout_s=30.0, board=board, slots={4: 0, 5: 1, 6: 2})
+    store.set_node_owner(0, "agent-a")
+    look = StoreLook(
+        store,
+        node=0,
+        nnodes=1,
+        node_timeout_s=30.0,
+        agent_id="agent-a",
+        board=board,
+        slots={4: 0, 5: 1, 6: 2},
+    )
     now = time.time()
     for slot, rank in enumerate((4, 5, 6)):  # the agent starts its ranks
         beat = Heartbeat(0, -1, now)

@@ -189,6 +189,7 @@ class NodeAgent:
             node=self.node,
             nnodes=self.cluster.nnodes,
             node_timeout_s=self.cfg.node_timeout,
+            agent_id=self.agent_id,
             board=self.board,
             slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
         )
@@ -292,9 +293,9 @@ class NodeAgent:
         self.start_ranks(gen)
         self.refill_spares_later()
         while True:
-            if self.store.node_owner(self.node) != self.agent_id:
-                return self._taken_over()
             obs = self._observe(gen)
+            if obs is None:
+                return self._taken_over()
             decision = policy.decide(obs)
             gen = decision.generation
             if decision.action is Action.DONE:
@@ -314,11 +315,14 @@ class NodeAgent:
                 time.sleep(self.cfg.monitor_interval)
             # Action.CONTINUE: the policy acted; observe again at once
 
-    def _observe(self, gen: int) -> Observation:
-        """One pass's look (after writing this agent's heartbeat, in ``gen``); acts on nothing."""
+    def _observe(self, gen: int) -> Observation | None:
+        """One pass's look (writing this agent's heartbeat, in ``gen``); acts on nothing. None: another
+        agent (a standby) took this node over while this one was silent (nothing was written)."""
         assert self._look is not None
         now = time.time()
         look = self._look.look(gen, [r for r in self.local_ranks if r not in self.lost_slots])
+        if not look.owned:
+            return None
         codes = {rank: proc.poll() for rank, proc in self.ranks.items()}
         codes.update({rank: 0 for rank in self.finished})
         cfg = self.cfg
@@ -441,7 +445,8 @@ class NodeAgent:
                 return Decision(Action.GIVE_UP, gen)
             if (current := self.store.generation()) > gen:
                 return Decision(Action.NEXT_GENERATION, gen, target=current)
-            self.store.set_agent_heartbeat(self.node, gen)
+            assert self._look is not None
+            self._look.beat(gen)
             time.sleep(self.cfg.monitor_interval)
         return Decision(Action.DONE, gen)
 

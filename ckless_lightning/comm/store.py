@@ -24,7 +24,8 @@ key                                value                                        
 ``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
 ``gen<g>/moved/<rank>``            the job left ``g``: wakes ``rank``'s generation watch         advancer
                                    (or the rank itself, to release its own watch)
-``giveup``                         set once: the reason the job stops for good                 agent
+``giveup``                         the reason the job stops for good, set once (``""``, as the  agent
+                                   host creates it: not given up)
 ``giveup_code``                    the exit code that goes with it (absent: 75, requeue)       agent
 ``hb/<rank>``                      ``"<gen> <completed step> <unix time> <phase>"``: the rank  agent (rank
                                    beats into its node's board, the agent publishes them each  with
@@ -33,7 +34,7 @@ key                                value                                        
 ``where/<rank>``                   tiers 3-4: where the rank's main thread is, each second     rank
                                    (``peers``: waiting in a collective, ``running``, ``data``)
 ``agent/<node>``                   the generation each agent is in                             agent
-``agent/<node>/beats``             counter each agent bumps per pass (liveness, no clocks)    agent
+``agent/<node>/beats``             count each agent raises per pass (liveness, no clocks)     agent
 ``owner/<node>``                   the agent now acting as ``node`` (a standby takes it over)  agent
 ``claim/<node>/<beats>``           the standby agent that takes ``node``, silent at ``beats``  standby
 ``started/<g>/<node>``             the node's ranks were started in generation ``g``           agent
@@ -75,7 +76,15 @@ from torch.distributed import DistStoreError, PrefixStore, TCPStore
 
 from ckless_lightning.comm.bounded_store import GenerationBoundStore, GenerationChanged
 
-__all__ = ["GenerationChanged", "Heartbeat", "JobStore", "StoreRefused", "connect_store", "job_namespace"]
+__all__ = [
+    "AgentPassReading",
+    "GenerationChanged",
+    "Heartbeat",
+    "JobStore",
+    "StoreRefused",
+    "connect_store",
+    "job_namespace",
+]
 
 # How long a client waits for the host's ``job`` key after connecting (the host writes it right
 # after it starts listening, so a longer wait means another job's store or a wrong secret).
@@ -88,6 +97,21 @@ def _encode_ranks(ranks: tuple[int, ...]) -> str:
 
 def _ranks_of(raw: bytes) -> tuple[int, ...]:
     return tuple(int(r) for r in raw.decode().split(",") if r)
+
+
+def _reason(raw: bytes) -> str | None:
+    """The ``giveup`` key's value as a reason (empty: the job was not given up)."""
+    return raw.decode() or None
+
+
+@dataclass(frozen=True)
+class AgentPassReading:
+    """What :meth:`JobStore.agent_pass_read` read."""
+
+    current: int  # the job's generation
+    giveup: bool  # the job was given up
+    owner: str  # the agent acting as the node
+    agents: dict[int, tuple[int, int]]  # node -> its agent's (generation, beat count)
 
 
 class StoreRefused(RuntimeError):
@@ -181,8 +205,14 @@ class JobStore:
     def host(cls, host: str, port: int, *, secret: str) -> JobStore:
         """Open the job store on ``host:port`` (port 0: a free one) for the job with ``secret``."""
         store = cls(connect_store(host, port, is_master=True), secret=secret)
-        store._tcp.set("job", "1")
+        store.open_job()
         return store
+
+    def open_job(self) -> None:
+        """Write the keys every client of the job expects (:meth:`host` does, on a new store)."""
+        self._tcp.add("gen", 0)
+        self._tcp.set("giveup", "")  # present from the start: an agent's pass reads it with the rest
+        self._tcp.set("job", "1")  # last: a client that sees it finds the keys above
 
     @classmethod
     def connect(cls, host: str, port: int, *, secret: str, timeout_s: float = _JOB_KEY_WAIT_S) -> JobStore:
@@ -287,17 +317,19 @@ class JobStore:
     def give_up(self, reason: str, *, code: int | None = None) -> None:
         """Stop the job for good, for ``reason``; ``code``: the exit code every agent ends with
         (None: the fault budget's). The first reason stands."""
-        if not self._tcp.check(["giveup"]):
+        assert reason, "a job is given up for a reason"
+        if self.giveup_reason() is None:
             if code is not None:
                 self._tcp.set("giveup_code", str(code))
-            self._tcp.set("giveup", reason)
+            self._tcp.compare_set("giveup", "", reason)  # the first reason stands
 
     def giveup_code(self) -> int | None:
         """The exit code given with the reason the job was given up (None: the fault budget's)."""
         return int(self._tcp.get("giveup_code")) if self._tcp.check(["giveup_code"]) else None
 
     def giveup_reason(self) -> str | None:
-        return self._tcp.get("giveup").decode() if self._tcp.check(["giveup"]) else None
+        """Why the job was given up; None while it was not."""
+        return _reason(self._tcp.get("giveup")) if self._tcp.check(["giveup"]) else None
 
     # -- heartbeats --------------------------------------------------------
     def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
@@ -319,6 +351,8 @@ class JobStore:
 
     def rank_heartbeats(self, ranks: list[int]) -> dict[int, Heartbeat]:
         """Heartbeats of ``ranks`` (the agent writes an initial one when it starts a rank)."""
+        if not ranks:
+            return {}
         keys = [f"hb/{r}" for r in ranks]
         return {r: Heartbeat.parse(raw) for r, raw in zip(ranks, self._tcp.multi_get(keys), strict=True)}
 
@@ -330,6 +364,36 @@ class JobStore:
         """
         self._tcp.set(f"agent/{node}", str(gen))
         self._tcp.add(f"agent/{node}/beats", 1)
+
+    def agent_pass_write(self, node: int, gen: int, count: int, beats: Mapping[int, Heartbeat]) -> None:
+        """A node agent's pass, what it writes, in one request: its beat (generation ``gen``, beat
+        count ``count``, which its caller raises per pass) and ``beats``, its ranks' heartbeats that
+        changed since the last pass (published for readers on other nodes)."""
+        keys = [f"agent/{node}", f"agent/{node}/beats", *(f"hb/{r}" for r in beats)]
+        self._tcp.multi_set(keys, [str(gen), str(count), *(b.encode() for b in beats.values())])
+
+    def agent_pass_read(self, node: int, others: list[int]) -> AgentPassReading:
+        """A node agent's pass, what it reads, in one request: the job's generation, whether it was
+        given up, ``node``'s owner and the ``others``' agents' (generation, beat count).
+
+        Call it once :meth:`agent_pass_ready` said every key exists (the store would otherwise hold
+        the request until they do)."""
+        agents = [f"agent/{n}" for n in others]
+        keys = ["gen", "giveup", f"owner/{node}", *agents, *(f"{a}/beats" for a in agents)]
+        values = self._tcp.multi_get(keys)
+        half = len(others)
+        counts = values[3:]
+        return AgentPassReading(
+            current=int(values[0]),
+            giveup=_reason(values[1]) is not None,
+            owner=values[2].decode(),
+            agents={n: (int(counts[i]), int(counts[half + i])) for i, n in enumerate(others)},
+        )
+
+    def agent_pass_ready(self, node: int, others: list[int]) -> bool:
+        """Every key :meth:`agent_pass_read` reads exists (one request; none is ever deleted)."""
+        agents = [f"agent/{n}" for n in others]
+        return self._tcp.check(["gen", "giveup", f"owner/{node}", *agents, *(f"{a}/beats" for a in agents)])
 
     def agent_heartbeat(self, node: int) -> tuple[int, int] | None:
         """``node``'s agent's (generation, beat count); None before its first beat."""
