@@ -170,8 +170,8 @@ def test_a_checkpoint_save_is_a_declared_phase(tmp_path):
 
 def test_agent_heartbeat_is_a_counter_not_a_clock(store):
     assert store.agent_heartbeat(1) is None
-    store.set_agent_heartbeat(1, 4)
-    store.set_agent_heartbeat(1, 5)
+    store.agent_pass_write(1, 4, 1, {})
+    store.agent_pass_write(1, 5, 2, {})
     assert store.agent_heartbeat(1) == (5, 2)
 
 

@@ -3,8 +3,9 @@
 A rank beats twice a step and on every recovery phase. Written to the job store, that was two
 requests per rank per step at the one store of the whole job (issue #31); the board makes a beat a
 write to memory its node agent reads. The agent publishes its node's beats to the store itself, in
-one ``multi_set`` per supervision pass for all of them (:meth:`~ckless_lightning.comm.JobStore.
-set_rank_heartbeats`), for the readers on other nodes (a join barrier, a standby replica).
+one ``multi_set`` per supervision pass for all of them, with its own beat
+(:meth:`~ckless_lightning.comm.JobStore.agent_pass_write`), for the readers on other nodes (a join
+barrier, a standby replica).
 
 Layout: one anonymous memory file (``memfd``) the agent creates; no name in ``/dev/shm``, so a killed
 agent leaves nothing behind. Ranks open it as ``/proc/<agent pid>/fd/<fd>`` (the agent's open file,

@@ -104,6 +104,22 @@ def _reason(raw: bytes) -> str | None:
     return raw.decode() or None
 
 
+def _agent_keys(nodes: list[int]) -> list[str]:
+    """The agents' generation keys of ``nodes``, then their beat-count keys."""
+    return [*(f"agent/{n}" for n in nodes), *(f"agent/{n}/beats" for n in nodes)]
+
+
+def _agent_beats(nodes: list[int], values: list[bytes]) -> dict[int, tuple[int, int]]:
+    """Each node's (generation, beat count) from the values of :func:`_agent_keys` ``(nodes)``."""
+    half = len(nodes)
+    return {n: (int(values[i]), int(values[half + i])) for i, n in enumerate(nodes)}
+
+
+def _agent_pass_keys(node: int, others: list[int]) -> list[str]:
+    """What a node agent's pass reads (:meth:`JobStore.agent_pass_read`), in this order."""
+    return ["gen", "giveup", f"owner/{node}", *_agent_keys(others)]
+
+
 @dataclass(frozen=True)
 class AgentPassReading:
     """What :meth:`JobStore.agent_pass_read` read."""
@@ -335,11 +351,6 @@ class JobStore:
     def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
         self._tcp.set(f"hb/{rank}", beat.encode())
 
-    def set_rank_heartbeats(self, beats: Mapping[int, Heartbeat]) -> None:
-        """Several ranks' beats in one request (a node agent publishing its board, ``comm/beat_board.py``)."""
-        if beats:
-            self._tcp.multi_set([f"hb/{r}" for r in beats], [b.encode() for b in beats.values()])
-
     def set_rank_where(self, rank: int, where: str) -> None:
         self._tcp.set(f"where/{rank}", where)
 
@@ -356,19 +367,13 @@ class JobStore:
         keys = [f"hb/{r}" for r in ranks]
         return {r: Heartbeat.parse(raw) for r, raw in zip(ranks, self._tcp.multi_get(keys), strict=True)}
 
-    def set_agent_heartbeat(self, node: int, gen: int) -> None:
-        """One supervision pass of ``node``'s agent, in generation ``gen``: bumps its beat counter.
-
-        A counter, not a timestamp: observers time its changes on their own clock, so machines
-        whose clocks disagree never take a live node for a silent one (or the reverse).
-        """
-        self._tcp.set(f"agent/{node}", str(gen))
-        self._tcp.add(f"agent/{node}/beats", 1)
-
     def agent_pass_write(self, node: int, gen: int, count: int, beats: Mapping[int, Heartbeat]) -> None:
         """A node agent's pass, what it writes, in one request: its beat (generation ``gen``, beat
         count ``count``, which its caller raises per pass) and ``beats``, its ranks' heartbeats that
-        changed since the last pass (published for readers on other nodes)."""
+        changed since the last pass (published for readers on other nodes).
+
+        A count, not a timestamp: observers time its changes on their own clock, so machines whose
+        clocks disagree never take a live node for a silent one (or the reverse)."""
         keys = [f"agent/{node}", f"agent/{node}/beats", *(f"hb/{r}" for r in beats)]
         self._tcp.multi_set(keys, [str(gen), str(count), *(b.encode() for b in beats.values())])
 
@@ -378,22 +383,17 @@ class JobStore:
 
         Call it once :meth:`agent_pass_ready` said every key exists (the store would otherwise hold
         the request until they do)."""
-        agents = [f"agent/{n}" for n in others]
-        keys = ["gen", "giveup", f"owner/{node}", *agents, *(f"{a}/beats" for a in agents)]
-        values = self._tcp.multi_get(keys)
-        half = len(others)
-        counts = values[3:]
+        values = self._tcp.multi_get(_agent_pass_keys(node, others))
         return AgentPassReading(
             current=int(values[0]),
             giveup=_reason(values[1]) is not None,
             owner=values[2].decode(),
-            agents={n: (int(counts[i]), int(counts[half + i])) for i, n in enumerate(others)},
+            agents=_agent_beats(others, values[3:]),
         )
 
     def agent_pass_ready(self, node: int, others: list[int]) -> bool:
         """Every key :meth:`agent_pass_read` reads exists (one request; none is ever deleted)."""
-        agents = [f"agent/{n}" for n in others]
-        return self._tcp.check(["gen", "giveup", f"owner/{node}", *agents, *(f"{a}/beats" for a in agents)])
+        return self._tcp.check(_agent_pass_keys(node, others))
 
     def agent_heartbeat(self, node: int) -> tuple[int, int] | None:
         """``node``'s agent's (generation, beat count); None before its first beat."""
@@ -407,18 +407,12 @@ class JobStore:
         nodes not yet seen are checked one by one."""
         if not nodes:
             return {}
-        keys = [f"agent/{node}" for node in nodes]
-        counters = [f"{key}/beats" for key in keys]
         present = list(nodes)
-        if not self._tcp.check([*keys, *counters]):
-            present = [n for n, k, c in zip(nodes, keys, counters, strict=True) if self._tcp.check([k, c])]
+        if not self._tcp.check(_agent_keys(nodes)):
+            present = [n for n in nodes if self._tcp.check(_agent_keys([n]))]
             if not present:
                 return {}
-            keys = [f"agent/{node}" for node in present]
-            counters = [f"{key}/beats" for key in keys]
-        values = self._tcp.multi_get([*keys, *counters])  # a counter (add) reads as its decimal digits
-        half = len(present)
-        return {node: (int(values[i]), int(values[half + i])) for i, node in enumerate(present)}
+        return _agent_beats(present, self._tcp.multi_get(_agent_keys(present)))
 
     # -- node ownership (standby agents) -------------------------------------
     def set_node_owner(self, node: int, agent_id: str) -> None:
