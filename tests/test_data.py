@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -420,3 +422,30 @@ def test_loader_on_prepared_data(stdlib_cache):
     for b in batches:
         assert b["input_ids"].shape == (4, 129) and b["input_ids"].dtype == torch.long
         assert torch.equal(b["input_ids"], ds[b["sample_ids"].tolist()]["input_ids"])
+
+
+def test_one_loader_read_from_two_threads_gives_each_step_its_own_epochs_order(toy_dataset):
+    # A batch-cache reader thread and a checking thread once shared a loader: one asked for a step
+    # of the next epoch while the other read the cached order, and got the next epoch's.
+    spe = N_SAMPLES // 6
+    want = {step: _loader(toy_dataset, 0).batch(step)["sample_ids"] for step in range(4 * spe)}
+    shared = _loader(toy_dataset, 0)
+    wrong: list[int] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+
+    def read(steps: range) -> None:
+        for _ in range(150):
+            for step in steps:
+                if not torch.equal(shared.batch(step)["sample_ids"], want[step]):
+                    wrong.append(step)
+
+    try:
+        threads = [threading.Thread(target=read, args=(range(e * spe, (e + 1) * spe),)) for e in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert wrong == []

@@ -108,8 +108,9 @@ class StepBatchLoader:
         self._yield_next = self._start_step
         #: Committed next step, owned by the training module; ``None`` until it sets one.
         self.position: int | None = None
-        self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.long)
+        # The last epoch's permutation, as one (epoch, permutation) pair: replaced in one assignment,
+        # so a thread never reads one epoch's number with another's permutation.
+        self._perm: tuple[int, torch.Tensor] = (-1, torch.empty(0, dtype=torch.long))
 
     @staticmethod
     def _check_step(step: int) -> int:
@@ -118,11 +119,13 @@ class StepBatchLoader:
         return step
 
     def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._perm_epoch:
+        """Epoch ``epoch``'s sample order (safe to call from several threads: each gets its epoch's)."""
+        cached_epoch, perm = self._perm
+        if cached_epoch != epoch:
             generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-            self._perm = torch.randperm(self.num_samples, generator=generator)
-            self._perm_epoch = epoch
-        return self._perm
+            perm = torch.randperm(self.num_samples, generator=generator)
+            self._perm = (epoch, perm)
+        return perm
 
     def sample_indices(self, step: int, dp_rank: int | None = None) -> list[int]:
         """Dataset row indices of ``dp_rank``'s micro-batch at ``step`` (default: this rank)."""
