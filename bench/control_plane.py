@@ -11,7 +11,8 @@ simulated node agent, in this process, against a real ``TCPStore`` hosting the j
   :class:`GenerationWatch` on a second store connection, and per step sleeps ``--step-ms`` (the
   step's compute), beats twice (:class:`HeartbeatCallback`, as at a batch's start and end: into its
   node's heartbeat board, or with ``--beats store`` to the store), votes
-  (:class:`StepCommit`) and, at tier 4, records its state fingerprint (``JobStore.record_state``),
+  (:class:`StepCommit`) and, at tier 4, marks the job's state recorded once a generation (a step's
+  fingerprint stays with the rank and its copy: no store request),
   and reports where it is once a second (``JobStore.set_rank_where``, as ``WhereReporter`` does when
   the place changed);
 - each node agent (``--ranks-per-node`` ranks) makes the supervision pass's store look every
@@ -74,7 +75,6 @@ from ckless_lightning.training.callbacks.heartbeat import HeartbeatCallback  # n
 SECRET = "control-plane-bench"
 MONITOR_INTERVAL_S = 0.1  # agent.monitor_interval's default
 WHERE_INTERVAL_S = 1.0  # WhereReporter's interval
-FINGERPRINT_RING = 4  # tier 4, replication.every_n_steps=1: SnapshotCopies.fingerprint_ring
 
 
 class CountingStore(Store):
@@ -301,6 +301,7 @@ class SimRank(threading.Thread):
                 on_moved=self._on_moved(commit, gen),
             )
             watch.start()
+            marked = False  # the state/recorded mark of this generation's first step (tier 4)
             try:
                 while step <= job.steps:
                     job.step_started.setdefault(step, time.monotonic())
@@ -317,8 +318,9 @@ class SimRank(threading.Thread):
                         commit.vote(step)
                     job.votes.append((time.monotonic(), time.perf_counter() - start))
                     beats.beat(step)  # on_train_batch_end
-                    if job.tier >= 4:
-                        self.store.record_state(rank, step, f"{step} {gen} 0 0", ring=FINGERPRINT_RING)
+                    if job.tier >= 4 and not marked:  # SnapshotCallback's on_first_record, once a generation
+                        self.store.mark_state_recorded()
+                        marked = True
                     if time.monotonic() >= next_where:
                         self.store.set_rank_where(rank, "running" if step % 2 else "data")
                         next_where = time.monotonic() + WHERE_INTERVAL_S

@@ -16,7 +16,7 @@ BENCH = ROOT / "bench"
 @pytest.mark.timeout(180)
 def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(tmp_path: Path) -> None:
     """Two nodes of 8 simulated ranks, one killed: every rank reaches the next generation, the
-    store requests are counted (votes, heartbeats, fingerprints, the agents' looks), and
+    store requests are counted (votes, the agents' looks and what they publish), and
     ``scale_model.py --measured`` takes the rows as measured inputs."""
     rows_path = tmp_path / "rows.json"
     run = subprocess.run(
@@ -28,15 +28,15 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     (row,) = json.loads(rows_path.read_text())
     assert (row["ranks"], row["nodes"]) == (16, 2)
     kinds = row["requests_by_kind"]
-    # Each rank-step: a fingerprint (set), a vote (add); the agents' looks on top. The two heartbeats
-    # go to the node's board, and each agent publishes its ranks' changed beats once a pass (multi_set;
-    # the steady window, 2 steps of 20 ms, may hold no pass). Counts are read at step starts, so a loaded
-    # machine shifts some of a window's sets into the next.
-    assert kinds["set"] >= 0.8 and kinds["add"] >= 1, kinds
+    # Each rank-step: a vote (add, then a blocking wait and a get); the agents' looks on top. The two
+    # heartbeats go to the node's board, and each agent publishes its ranks' changed beats once a pass
+    # (multi_set; the steady window, 2 steps of 20 ms, may hold no pass). The tier-4 fingerprint stays
+    # with the rank and its buddy's copy: no set per rank-step (it was one before 2026-12-06).
+    assert kinds["add"] >= 1 and kinds.get("set", 0) < 0.5, kinds
     # A waiting vote blocks in the store (one wait and one get), it does not poll: the checks left
     # are the agents' looks (one per pass for all nodes).
     assert kinds["wait"] > 0 and kinds.get("check", 0) < 0.5, kinds
-    assert row["store_requests_per_rank_step"] >= 3
+    assert row["store_requests_per_rank_step"] >= 2.5
     assert 0 < row["vote_p50_s"] <= row["vote_p99_s"]
     assert 0 < row["recovery_s"] < 30 and row["recovery_store_requests"] > 16
     assert "req/rank-step" in run.stdout

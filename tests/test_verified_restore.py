@@ -2,7 +2,8 @@
 recorded for that step, or it is rejected and never trained on.
 
 Units: the fingerprint's two computations agree (per tensor on the tensors' devices, and in one
-pass over a host copy), the store's ring of records, the planner without rejected sources. Then
+pass over a host copy), a rank's ring of records and the record its copies carry, the planner
+without rejected sources. Then
 the restore itself on 4 gloo ranks with buddy copies, each rank's state a known function of
 (rank, step): a survivor whose live state no longer matches its label, a held copy whose loop
 state was corrupted in host memory, a step with no record, and a rank with no record at all.
@@ -12,6 +13,7 @@ The end-to-end runs (a launched job, bitwise against the fault-free run) are in 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from ckless_lightning.replication import (
     FlatBuffer,
     RankReport,
     Rejected,
+    Snapshot,
     SnapshotCopies,
     SourceMap,
     Transfer,
@@ -117,17 +120,39 @@ def test_verif_fingerprint_record_round_trip_and_mismatch():
     assert a.mismatch(StateFingerprint(5, 2, "xx", "cc")) == "tensors and loop"
 
 
-def test_verif_store_keeps_a_ring_of_records_per_rank():
-    store = JobStore.host("127.0.0.1", 0, secret=SECRET)
-    for step in range(1, 8):
-        store.record_state(1, step, StateFingerprint(step, 0, f"t{step}", "l").encode(), ring=4)
-    assert store.recorded_state(1, 7, ring=4) == StateFingerprint(7, 0, "t7", "l").encode()
-    assert store.recorded_state(1, 4, ring=4) == StateFingerprint(4, 0, "t4", "l").encode()
-    assert store.recorded_state(1, 3, ring=4) is None  # overwritten by step 7
-    assert store.recorded_state(2, 7, ring=4) is None  # another rank recorded nothing
-    assert store.timeline() == 0
-    store.begin_timeline(3)
-    assert store.timeline() == 3
+def test_verif_a_rank_keeps_a_ring_of_its_records_and_reports_them():
+    """Each recorded step's fingerprint stays with the rank (the last fingerprint_ring steps), is
+    reported by (job rank, step), and goes with the timeline it belongs to."""
+    copies = SnapshotCopies(rank=1, world_size=4, source="hsdp")
+    tensors = _odd_tensors()
+    made = {step: copies.record(step, b"loop %d" % step, tensors, gen=0) for step in range(1, 8)}
+    assert copies.fingerprint_ring == 4 and sorted(copies.records) == [4, 5, 6, 7]
+    report = copies.report()
+    assert report.records == {(1, step): made[step] for step in (4, 5, 6, 7)} and report.timeline == 0
+    assert made[7] == StateFingerprint(7, 0, tensors_fingerprint(tensors), loop_fingerprint(b"loop 7"))
+    copies.resumed_at(5, b"loop 5")  # a memory restore at step 5: the newer records are of no state now
+    assert sorted(copies.records) == [4, 5]
+    copies.resumed_at(None, timeline=3)  # the job resumed from disk in generation 3: none is left
+    assert copies.records == {} and copies.report().timeline == 3
+
+
+def test_verif_a_copy_carries_its_record_to_the_buddy():
+    """A copy's last bytes hold its step's record: what the buddy receives (the whole flat buffer)
+    it reports for the ward; a damaged or other step's record counts as none."""
+    copies = SnapshotCopies(rank=0, world_size=2, source="buddy")
+    tensors = _odd_tensors()
+    made = copies.record(4, encode_loop_state({"at": 4}), tensors, gen=2)
+    own = copies.own_copy(4)
+    assert own.record() == made == copies.records[4]
+    held = Snapshot(FlatBuffer(tensors, own.buffer.tail.numel()), step=4, complete=True)
+    held.buffer.flat.copy_(own.buffer.flat)  # what the exchange's send and receive do
+    buddy = SnapshotCopies(rank=1, world_size=2, source="buddy", held=[held])
+    assert buddy.report().records == {(0, 4): made}  # rank 1 vouches for its ward's step 4
+    held.step = 5
+    assert held.record() is None  # a copy labelled with another step than its record's
+    held.step = 4
+    held.record_area[8:12] = 0xFF
+    assert held.record() is None and buddy.report().records == {}
 
 
 def test_verif_planner_never_uses_a_rejected_source():
@@ -155,26 +180,52 @@ def test_verif_a_replica_shard_is_checked_against_the_replicas_record():
     """HSDP: rank 1 restored from its replica rank 3 takes rank 3's shard and loop state (the loop
     states of replicas differ in the loader's dp rank): checked against rank 3's record; its own
     record of the step, when it made one, must agree on the tensors."""
-    store = JobStore.host("127.0.0.1", 0, secret=SECRET)
     tensors = _odd_tensors()
     state = tensors_fingerprint(tensors)
     plan = SourceMap(2, (Transfer(3, 1),), frozenset(), (1,), "rank 1 restored from replica peers (step 2)")
     loop_of = {r: encode_loop_state({"dp_rank": r}) for r in (1, 3)}
+    reports = {r: RankReport(r, None if r == 1 else 2) for r in range(4)}
+
+    def vouch(rank: int, tensors_hex: str, *, timeline: int = 0) -> None:
+        record = StateFingerprint(2, 0, tensors_hex, loop_fingerprint(loop_of[rank]))
+        reports[rank] = replace(reports[rank], records={(rank, 2): record}, timeline=timeline)
 
     def verdict():
         return verify_restored(
-            plan, 1, tensors, loop_of[3], store=store, job_rank=lambda r: r, ring=4, buddy=False
+            plan, 1, tensors, loop_of[3], reports=reports, job_rank=lambda r: r, buddy=False
         )
 
     assert verdict().problem == "no fingerprint recorded"  # rank 3 recorded nothing yet
-    store.record_state(3, 2, StateFingerprint(2, 0, state, loop_fingerprint(loop_of[3])).encode(), ring=4)
+    vouch(3, state)
     assert verdict().ok
-    store.record_state(1, 2, StateFingerprint(2, 0, state, loop_fingerprint(loop_of[1])).encode(), ring=4)
+    vouch(1, state)
     assert verdict().ok  # its own record: same tensors, its own dp rank in the loop
-    store.record_state(1, 2, StateFingerprint(2, 0, "0" * 32, loop_fingerprint(loop_of[1])).encode(), ring=4)
+    vouch(1, "0" * 32)
     assert verdict().problem == "tensors"  # the replicas' records disagree: not trusted
-    store.begin_timeline(1)  # the job resumed from disk in generation 1: records of generation 0 are void
-    assert verdict().problem == "no fingerprint recorded"
+    reports[0] = replace(reports[0], timeline=1)  # a rank resumed from disk in generation 1
+    assert verdict().problem == "no fingerprint recorded"  # records of generation 0 are void
+
+
+def test_verif_a_replaced_rank_is_checked_against_the_record_its_buddys_copy_carried():
+    """Buddy layout: rank 2's process is new (no records); rank 3's report vouches for rank 2's
+    step 5 (the record its held copy carried): what rank 2 received is checked against it."""
+    tensors = _odd_tensors()
+    loop = encode_loop_state({"at": 5})
+    record = StateFingerprint(5, 0, tensors_fingerprint(tensors), loop_fingerprint(loop))
+    plan = SourceMap(5, (Transfer(3, 2),), frozenset(), (2,), "rank 2 from its buddy (step 5)")
+    reports = {r: RankReport(r, None if r == 2 else 5) for r in range(4)}
+
+    def verdict(got: list[torch.Tensor]):
+        return verify_restored(plan, 2, got, loop, reports=reports, job_rank=lambda r: r, buddy=True)
+
+    assert verdict(tensors).problem == "no fingerprint recorded"
+    reports[1] = replace(reports[1], records={(2, 5): record})  # not the holder: not its word
+    assert verdict(tensors).problem == "no fingerprint recorded"
+    reports[3] = replace(reports[3], records={(2, 5): record})
+    assert verdict(tensors).ok and verdict(tensors).holder == 3
+    flipped = [t.clone() for t in tensors]
+    flipped[-1][0, 0] += 1
+    assert verdict(flipped).problem == "tensors"
 
 
 # -- the restore on 4 gloo ranks ------------------------------------------------------------------------
@@ -223,12 +274,10 @@ def _restore_scenario(rank: int, world: int, port: int, scenario: str, events_pa
     optimizer = torch.optim.AdamW(model.parameters())
     for step in (1, 2):
         _set_state(model, optimizer, rank, step)
-        fingerprint = snapshots.record(
-            step, _loop(optimizer, rank, step), local_state_tensors(model, [optimizer]), gen=0
-        )
+        snapshots.record(step, _loop(optimizer, rank, step), local_state_tensors(model, [optimizer]), gen=0)
         unrecorded = scenario == "no record at all" or (scenario == "step 2 unrecorded" and step == 2)
-        if not (rank == 1 and unrecorded):
-            store.record_state(rank, step, fingerprint.encode(), ring=snapshots.fingerprint_ring)
+        if rank == 1 and unrecorded:
+            del snapshots.records[step]  # rank 1 lost its record of the step (its copies keep theirs)
         snapshots.exchange(step)
         snapshots.settle()
     # The fault: rank 2 is a new process (nothing held); the others capture their live state.

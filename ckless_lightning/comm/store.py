@@ -52,10 +52,6 @@ key                                value                                        
                                    (a key per rank, overwritten: none per step)
 ``suspect/<rank>``                 counter: times its state disagreed with its replicas        rank
 ``state/recorded``                 tier 4: some rank recorded a committed step in memory       rank
-``state/<rank>/<step % ring>``     tier 4: ``<step> <gen> <tensors> <loop>``, the fingerprint  rank
-                                   of the rank's state after a committed step (a ring of keys)
-``timeline``                       tier 4: the generation that last resumed from disk or the   rank
-                                   job's start (fingerprints before it are of another timeline)
 ``finished``, ``finished/<rank>``  tiers 3-4: ranks past their last collective (count, each)   rank
 ``ended``                          ``<exit code> <run dir>``: the job ended; no job starts on   agent 0
                                    this store under the same secret again
@@ -564,29 +560,6 @@ class JobStore:
 
     def state_recorded(self) -> bool:
         return self._tcp.check(["state/recorded"])
-
-    def record_state(self, rank: int, step: int, fingerprint: str, *, ring: int) -> None:
-        """``rank``'s state fingerprint after committed step ``step``, a string that starts with the
-        step (kept for the last ``ring`` steps: one key per ``step % ring``, overwritten)."""
-        assert fingerprint.split(" ", 1)[0] == str(step), (step, fingerprint)
-        self._tcp.set(f"state/{rank}/{step % ring}", fingerprint)
-
-    def recorded_state(self, rank: int, step: int, *, ring: int) -> str | None:
-        """The fingerprint ``rank`` recorded for ``step`` (None: none, or overwritten by a later step)."""
-        key = f"state/{rank}/{step % ring}"
-        if not self._tcp.check([key]):
-            return None
-        fingerprint = self._tcp.get(key).decode()
-        return fingerprint if fingerprint.split(" ", 1)[0] == str(step) else None
-
-    def begin_timeline(self, gen: int) -> None:
-        """Generation ``gen`` resumes from a disk checkpoint or the job's start: fingerprints recorded
-        before it describe a timeline the job has left (written by every rank of ``gen``, the same)."""
-        self._tcp.set("timeline", str(gen))
-
-    def timeline(self) -> int:
-        """The generation the current timeline began in (0: the job's first)."""
-        return int(self._tcp.get("timeline")) if self._tcp.check(["timeline"]) else 0
 
     # -- completion ---------------------------------------------------------
     def mark_rank_finished(self, rank: int) -> None:

@@ -282,8 +282,7 @@ class InProcessRecovery:
                     if self.snapshots is not None and resume != MEMORY_CHECKPOINT:
                         # A timeline the job leaves: its live capture and copies describe none of
                         # the steps this generation will train, nor do fingerprints recorded so far.
-                        self.snapshots.resumed_at(None)
-                        self.store.begin_timeline(gen.number)
+                        self.snapshots.resumed_at(None, timeline=gen.number)
                 if resume is None:
                     set_rng_state(start_rng)
                 trainer = make_trainer(self._strategy(gen, resume), self._callbacks(gen.number))
@@ -478,14 +477,8 @@ class InProcessRecovery:
         snapshot must run before any callback that communicates)."""
         callbacks: list[pl.Callback] = []
         if self.snapshots is not None:
-            snapshots, store, rank = self.snapshots, self.store, self.rank  # the job rank
             self.snapshot_callback = SnapshotCallback(
-                snapshots,
-                generation=gen,
-                on_record=lambda fp: store.record_state(
-                    rank, fp.step, fp.encode(), ring=snapshots.fingerprint_ring
-                ),
-                on_first_record=store.mark_state_recorded,
+                self.snapshots, generation=gen, on_first_record=self.store.mark_state_recorded
             )
             callbacks.append(self.snapshot_callback)
         callbacks.append(HeartbeatCallback(self.beats, rank=self.rank, generation=gen))

@@ -16,7 +16,8 @@ once the new generation's model and optimizers exist. There every rank:
    RNG come as the pickled snapshot Lightning's own ``dump_checkpoint`` made
    after the committed step (sent by the source to a replaced rank);
 4. verifies what it now holds, tensors and loop state, against the fingerprint
-   its owner recorded for that step (:mod:`~ckless_lightning.recovery.verify`);
+   its owner recorded for that step, which came with the reports
+   (:mod:`~ckless_lightning.recovery.verify`);
    every rank learns every verdict, and a mismatch rejects that source (a
    ``restore_rejected`` event) and the plan is made again without it;
 5. returns that checkpoint dict, so Lightning restores loops, callbacks and
@@ -44,6 +45,7 @@ from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import peak_rss_bytes
 from ckless_lightning.recovery.verify import Verdict, verify_restored
 from ckless_lightning.replication import (
+    RankReport,
     Rejected,
     SnapshotCopies,
     SourceMap,
@@ -172,7 +174,7 @@ class MemoryRestore:
                 self._emit("transfer_rejected", pairs=pairs)
                 continue
             payload = self._receive_loop(plan, rank, loop)
-            mine, failed = self._verify(plan, rank, tensors, payload)
+            mine, failed = self._verify(plan, rank, tensors, payload, by_rank)
             if failed:
                 for verdict in failed:
                     rejected |= verdict.rejection()
@@ -257,19 +259,23 @@ class MemoryRestore:
         return received if rank in plan.lost else own_loop  # type: ignore[return-value]
 
     def _verify(
-        self, plan: SourceMap, rank: int, tensors: list[torch.Tensor], loop: bytes
+        self,
+        plan: SourceMap,
+        rank: int,
+        tensors: list[torch.Tensor],
+        loop: bytes,
+        reports: dict[int, RankReport],
     ) -> tuple[Verdict, list[Verdict]]:
-        """Every rank checks what it holds against its recorded fingerprint; returns this rank's
-        verdict and every rank's failed ones (the same list on every rank), each failure also a
-        ``restore_rejected`` event."""
+        """Every rank checks what it holds against its recorded fingerprint (in ``reports``, as
+        gathered); returns this rank's verdict and every rank's failed ones (the same list on every
+        rank), each failure also a ``restore_rejected`` event."""
         verdict = verify_restored(
             plan,
             rank,
             tensors,
             loop,
-            store=self.generation.store,
+            reports=reports,
             job_rank=self.generation.job_rank,
-            ring=self.snapshots.fingerprint_ring,
             buddy=self.snapshots.source == "buddy",
         )
         if not verdict.ok:
@@ -282,19 +288,12 @@ class MemoryRestore:
 
     def _record(self, step: int, verdict: Verdict) -> None:
         """A restored rank's state, verified, recorded as its own for ``step`` (in this generation)."""
-        assert verdict.got is not None
-        fingerprint = replace(StateFingerprint.parse(verdict.got), gen=self.generation.number)
-        self.generation.store.record_state(
-            self.generation.job_rank(dist.get_rank()),
-            step,
-            fingerprint.encode(),
-            ring=self.snapshots.fingerprint_ring,
-        )
+        assert verdict.got is not None and verdict.step == step, (verdict, step)
+        self.snapshots.remember(replace(StateFingerprint.parse(verdict.got), gen=self.generation.number))
 
     def _fall_back(self, plan: SourceMap, rejected: list[str] | None = None) -> Path:
         disk = latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-        self.snapshots.resumed_at(None)
-        self.generation.store.begin_timeline(self.generation.number)
+        self.snapshots.resumed_at(None, timeline=self.generation.number)
         if rejected:
             plan = replace(plan, reason=f"{plan.reason} (rejected: {'; '.join(rejected)})")
         self._emit(

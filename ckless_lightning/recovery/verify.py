@@ -7,9 +7,16 @@ else proved the label. A wrong label trains on without an error (a chaos run end
 and other losses: a survivor adopted tensors of an earlier step). So before the first step
 after a restore, every rank fingerprints what it holds (tensors and loop state,
 :mod:`~ckless_lightning.replication.fingerprint`) and compares it with the fingerprint its
-owner recorded in the job store after that step. Every rank learns every verdict (one
-collective), so all reject the same sources and plan again from what is left: another copy,
-an older step every rank can reach, the disk checkpoint, or the job's start.
+owner recorded after that step. Every rank learns every verdict (one collective), so all reject
+the same sources and plan again from what is left: another copy, an older step every rank can
+reach, the disk checkpoint, or the job's start.
+
+Where the records come from: each rank keeps its own, and a buddy copy carries its step's record
+from the rank that made it (:mod:`~ckless_lightning.replication.snapshots`); every rank's report,
+gathered before the plan, lists the records it vouches for. A record reaches the rank that
+checks against it through the reports' collective, not through the transfer that moved the state.
+Nothing goes through the job store (issue #31: one record per rank and step was the control
+plane's largest cost).
 
 Whose record a state is checked against: the rank's own, by job rank, for its live state and
 for copies of its own state (its own host copy, the one its buddy held). An HSDP rank restored
@@ -18,9 +25,9 @@ record (replicas hold bitwise-equal shards; their loop states differ only in the
 informational dp rank); a record of its own, if it made one before it was lost, must agree on
 the tensors. Once restored, a rank records the state it now holds as its own for that step
 (:meth:`~ckless_lightning.recovery.memory.MemoryRestore.restore`), so a later restore at the same
-step can verify it in turn. A record from before the current timeline began
-(:meth:`~ckless_lightning.comm.JobStore.timeline`: the last resume from disk or the start)
-describes state the job has left and counts as none.
+step can verify it in turn. A record from before the current timeline began (the latest
+``timeline`` in the reports: the last resume from disk or the start) describes state the job has
+left and counts as none.
 """
 
 from __future__ import annotations
@@ -30,13 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ckless_lightning.replication import Rejected, SourceMap, StateFingerprint, Transfer
+from ckless_lightning.replication import RankReport, Rejected, SourceMap, StateFingerprint, Transfer
 from ckless_lightning.replication.fingerprint import loop_fingerprint, tensors_fingerprint
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
-
-    from ckless_lightning.comm import JobStore
+    from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["Verdict", "verify_restored"]
 
@@ -120,30 +125,38 @@ def verify_restored(
     tensors: Sequence[torch.Tensor],
     loop: bytes,
     *,
-    store: JobStore,
+    reports: Mapping[int, RankReport],
     job_rank: Callable[[int], int],
-    ring: int,
     buddy: bool,
 ) -> Verdict:
     """Check this rank's restored ``tensors`` and ``loop`` bytes against the fingerprint recorded for
-    ``plan.step`` (every rank calls it after the plan's transfers, before decoding the loop state)."""
+    ``plan.step`` (every rank calls it after the plan's transfers, before decoding the loop state).
+
+    ``reports``: every rank's report as gathered before the plan, by generation rank (the records
+    they vouch for); ``job_rank``: a generation rank's job rank (the records' keys)."""
     step = plan.step
     assert step is not None, "a fallback plan restores nothing from memory"
     source, holder = _source(plan, rank, buddy)
-    since = store.timeline()
+    since = max(report.timeline for report in reports.values())
 
-    def recorded(r: int) -> StateFingerprint | None:
-        raw = store.recorded_state(job_rank(r), step, ring=ring)
-        fingerprint = StateFingerprint.parse(raw) if raw is not None else None
+    def recorded(r: int, by: int) -> StateFingerprint | None:
+        """Rank ``r``'s record of ``step`` as rank ``by`` vouches for it (its own, or a held copy's)."""
+        report = reports.get(by)
+        fingerprint = report.records.get((job_rank(r), step)) if report is not None else None
         return fingerprint if fingerprint is not None and fingerprint.gen >= since else None
 
-    expected = recorded(rank)
+    # The rank's own record when it has one (it kept it: a survivor), else the one its buddy's copy
+    # carried (a replaced rank: its records died with its process).
+    expected = recorded(rank, rank)
+    if expected is None and source == "buddy":
+        assert holder is not None
+        expected = recorded(rank, holder)
     if source == "replica":
         assert holder is not None
         # A replica's shard and loop state: its record is the reference (the loop state differs
         # between replicas in the data loader's dp_rank, which a loader does not restore). A record
         # of this rank's own, if it made one before it was lost, must agree on the tensors too.
-        own, expected = expected, recorded(holder)
+        own, expected = expected, recorded(holder, holder)
         if own is not None and expected is not None and own.tensors != expected.tensors:
             expected = replace(expected, tensors=own.tensors)  # the replicas disagree: reject
     got = StateFingerprint(step, -1, tensors_fingerprint(tensors), loop_fingerprint(loop))

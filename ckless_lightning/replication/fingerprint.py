@@ -5,10 +5,10 @@ processes (a buddy's host copy, an HSDP replica's shard) and between host slots 
 copy). Checksums of the bytes in flight say a transfer delivered what its source sent; they
 cannot say that what the source sent, or what a survivor adopts, is the state its owner had at
 the step it is labelled with. So after every committed step each rank records a fingerprint
-of its state, labelled with that step, where it outlives the rank (the job store,
-:meth:`~ckless_lightning.comm.JobStore.record_state`), and a restore compares the state every
-rank ends up with against the fingerprint recorded for the step it resumes at, before the first
-step after the recovery (:class:`~ckless_lightning.recovery.memory.MemoryRestore`).
+of its state, labelled with that step, kept by the rank and carried by the step's copy to its
+buddy (:class:`~ckless_lightning.replication.snapshots.SnapshotCopies`), and a restore compares
+the state every rank ends up with against the fingerprint recorded for the step it resumes at,
+before the first step after the recovery (:class:`~ckless_lightning.recovery.memory.MemoryRestore`).
 
 What is fingerprinted: the rank's local state tensors (parameter shards and optimizer state,
 :func:`~ckless_lightning.replication.state.local_state_tensors`, in that order) and its loop

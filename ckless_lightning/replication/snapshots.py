@@ -2,8 +2,12 @@
 loop counters, and (``buddy`` source) snapshot copies of its own shard and of its ward's.
 
 Each recorded step also gets a :class:`~ckless_lightning.replication.fingerprint.StateFingerprint`
-of the state it describes (:meth:`SnapshotCopies.record` returns it; the caller stores it where it
-outlives the rank), which a restore verifies the state it ends up with against.
+of the state it describes, which a restore verifies the state it ends up with against. The rank
+keeps its own records (the last :attr:`SnapshotCopies.fingerprint_ring` steps), and each copy
+carries its step's record in its last bytes, so the record travels to the buddy with the copy, in
+the same message, and outlives the rank where the copy does. No record goes through the job store:
+a restore gathers what every rank vouches for with the ranks' reports (:meth:`SnapshotCopies.report`),
+one collective it makes anyway.
 
 What a rank offers when it leaves a generation is a :class:`LiveCapture`: views of its live
 tensors, labelled with the step and loop state they held then. It belongs to the recovery that
@@ -47,6 +51,8 @@ __all__ = ["FlatBuffer", "LiveCapture", "Snapshot", "SnapshotCopies"]
 
 _ALIGN = 8
 _HEADER = 8  # the loop buffer starts with its payload length (int64)
+# A copy's last bytes: its step's fingerprint record (an int64 length, then the encoded record).
+_RECORD_AREA = 256
 
 
 class FlatBuffer:
@@ -95,17 +101,43 @@ class FlatBuffer:
 class Snapshot:
     """One copy of a rank's state at ``step``; ``complete`` once fully written (or received)."""
 
-    buffer: FlatBuffer  # the tensors, then the loop area: an 8-byte length and the pickled loop state
+    # The tensors, then the loop area (an 8-byte length and the pickled loop state), then the
+    # record area (an 8-byte length and the step's encoded fingerprint, as its owner recorded it).
+    buffer: FlatBuffer
     step: int = -1
     complete: bool = False
 
     @property
     def loop(self) -> torch.Tensor:
-        return self.buffer.tail
+        return self.buffer.tail[:-_RECORD_AREA]
+
+    @property
+    def record_area(self) -> torch.Tensor:
+        return self.buffer.tail[-_RECORD_AREA:]
 
     def loop_bytes(self) -> bytes:
         n = int(self.loop[:_HEADER].view(torch.int64).item())
         return bytes(self.loop[_HEADER : _HEADER + n].numpy())
+
+    def write_record(self, fingerprint: StateFingerprint) -> None:
+        """Put ``fingerprint`` (the record of this copy's step) into the copy's record area."""
+        raw = fingerprint.encode().encode()
+        assert len(raw) + _HEADER <= _RECORD_AREA, raw
+        area = self.record_area
+        area[:_HEADER].view(torch.int64)[0] = len(raw)
+        area[_HEADER : _HEADER + len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+    def record(self) -> StateFingerprint | None:
+        """The record this copy carries if it is one of its step (None: none, or unreadable)."""
+        area = self.record_area
+        n = int(area[:_HEADER].view(torch.int64).item())
+        if not 0 < n <= _RECORD_AREA - _HEADER:
+            return None
+        try:
+            fingerprint = StateFingerprint.parse(bytes(area[_HEADER : _HEADER + n].numpy()))
+        except ValueError:  # bytes that are no record (a copy damaged in memory): no record
+            return None
+        return fingerprint if fingerprint.step == self.step else None
 
 
 @dataclass(frozen=True)
@@ -143,6 +175,8 @@ class SnapshotCopies:
     capture: LiveCapture | None = None  # the live state offered to the recovery in progress
     own: list[Snapshot] = field(default_factory=list)
     held: list[Snapshot] = field(default_factory=list)
+    records: dict[int, StateFingerprint] = field(default_factory=dict)  # step -> this rank's record
+    timeline: int = 0  # the generation this rank's timeline began in (its last resume from disk)
     links: BuddyLinks | None = None  # the exchange's pair groups (buddy), one set per generation
     wait_timeout_s: float = 600.0  # the longest wait for an exchange (the generation's collective timeout)
     _pending: _Exchange | None = None
@@ -181,14 +215,16 @@ class SnapshotCopies:
     def record(
         self, step: int, loop: bytes, tensors: Sequence[torch.Tensor], *, gen: int
     ) -> StateFingerprint:
-        """After committed step ``step`` (in generation ``gen``): remember its loop state; every k-th
-        step, copy the state into an own slot. Returns the state's fingerprint; record it where it
-        outlives this rank, then call :meth:`exchange` (a held copy must never exist unrecorded)."""
+        """After committed step ``step`` (in generation ``gen``): remember its loop state and its
+        fingerprint (:attr:`records`); every k-th step, copy the state into an own slot that carries
+        the fingerprint too, for :meth:`exchange` to send. Returns the fingerprint."""
         self.live_step, self.live_loop = step, loop
         if not self.copies_at(step):
             if self._sums is None or not self._sums.matches(tensors):
                 self._sums = TensorSums(tensors)
-            return StateFingerprint(step, gen, self._sums.fingerprint(), loop_fingerprint(loop))
+            return self._remember(
+                StateFingerprint(step, gen, self._sums.fingerprint(), loop_fingerprint(loop))
+            )
         self.settle()
         own = self._slot(self.own, tensors, step)
         with torch.no_grad():  # one fused call: a copy_ per tensor costs more than the bytes here
@@ -196,9 +232,16 @@ class SnapshotCopies:
         if any(t.is_cuda for t in tensors):
             torch.cuda.current_stream().synchronize()  # the host reads the buffer next
         self._write_loop(own, loop)
-        own.step, own.complete = step, True
         # The copy is the state, in one flat buffer: fingerprinted in one pass.
-        return StateFingerprint(step, gen, own.buffer.fingerprint(), loop_fingerprint(loop))
+        fingerprint = StateFingerprint(step, gen, own.buffer.fingerprint(), loop_fingerprint(loop))
+        own.write_record(fingerprint)
+        own.step, own.complete = step, True
+        return self._remember(fingerprint)
+
+    def remember(self, fingerprint: StateFingerprint) -> None:
+        """``fingerprint`` is this rank's record of its state at ``fingerprint.step`` (a restored rank's
+        state, verified)."""
+        self._remember(fingerprint)
 
     def exchange(self, step: int) -> None:
         """After :meth:`record` of a copy step: send the own copy of ``step`` to the buddy and receive
@@ -250,13 +293,21 @@ class SnapshotCopies:
         self.capture = None
 
     def report(self) -> RankReport:
+        """What this rank holds, and the records it vouches for: its own (by step) and, with each
+        complete held copy, the record the ward sent with it, keyed ``(owner's rank, step)``."""
         own = frozenset(s.step for s in self.own if s.complete)
-        held = frozenset(s.step for s in self.held if s.complete)
+        held = [s for s in self.held if s.complete]
+        records = {(self.rank, step): fp for step, fp in self.records.items()}
+        for slot in held:
+            if (fingerprint := slot.record()) is not None:
+                records[(self.ward, slot.step)] = fingerprint
         return RankReport(
             rank=self.rank,
             live_step=self.capture.step if self.capture is not None else None,
             own_steps=own,
-            held={self.ward: held} if self.source == "buddy" else {},
+            held={self.ward: frozenset(s.step for s in held)} if self.source == "buddy" else {},
+            records=records,
+            timeline=self.timeline,
         )
 
     def own_copy(self, step: int) -> Snapshot:
@@ -265,22 +316,33 @@ class SnapshotCopies:
     def held_copy(self, step: int) -> Snapshot:
         return next(s for s in self.held if s.complete and s.step == step)
 
-    def resumed_at(self, step: int | None, loop: bytes | None = None) -> None:
+    def resumed_at(self, step: int | None, loop: bytes | None = None, *, timeline: int | None = None) -> None:
         """Training resumes at ``step`` with ``loop`` (a verified memory restore), or from a disk
-        checkpoint or the job's start (``None``): the capture is consumed, and copies newer than the
-        resume point (all of them, from disk: they belong to a timeline the job has left) dropped."""
+        checkpoint or the job's start (``None``, in generation ``timeline``: a new timeline begins):
+        the capture is consumed, and copies and records newer than the resume point (all of them,
+        from disk: they belong to a timeline the job has left) dropped."""
+        assert (step is None) == (timeline is not None), (step, timeline)
         self.drop_capture()
         restored = step is not None and loop is not None
         self.live_step, self.live_loop = (step, loop) if restored else (None, None)
         for slot in [*self.own, *self.held]:
             if step is None or slot.step > step:
                 slot.complete = False
+        self.records = {s: fp for s, fp in self.records.items() if step is not None and s <= step}
+        if timeline is not None:
+            self.timeline = timeline
 
     def host_bytes(self) -> int:
         """Host memory held for copies (both own and held slots)."""
         return sum(s.buffer.flat.numel() for s in [*self.own, *self.held])
 
     # -- internals -------------------------------------------------------------------------------------
+    def _remember(self, fingerprint: StateFingerprint) -> StateFingerprint:
+        self.records[fingerprint.step] = fingerprint
+        while len(self.records) > self.fingerprint_ring:
+            del self.records[min(self.records)]
+        return fingerprint
+
     def _ward_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Meta tensors shaped like the ward's shard, learned once per generation (from the ward).
 
@@ -297,11 +359,11 @@ class SnapshotCopies:
     def _slot(self, slots: list[Snapshot], like: Sequence[torch.Tensor], step: int) -> Snapshot:
         """The slot to overwrite: a fresh one while fewer than two, else the older/incomplete one."""
         if len(slots) < 2:
-            slots.append(Snapshot(FlatBuffer(like, self.loop_capacity)))
+            slots.append(Snapshot(FlatBuffer(like, self.loop_capacity + _RECORD_AREA)))
             return slots[-1]
         slot = min(slots, key=lambda s: (s.complete, s.step))
         if not slot.buffer.matches(like):
-            slot.buffer = FlatBuffer(like, self.loop_capacity)
+            slot.buffer = FlatBuffer(like, self.loop_capacity + _RECORD_AREA)
         slot.complete = False
         return slot
 

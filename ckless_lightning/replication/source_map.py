@@ -20,7 +20,11 @@ Two layouts:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the planner stays pure: the config's checks import it without torch
+    from ckless_lightning.replication.fingerprint import StateFingerprint
 
 __all__ = [
     "RankReport",
@@ -54,13 +58,19 @@ class RankReport:
     state is lost or untrusted (a replaced process, a rank whose own code
     raised). ``own_steps``: steps of complete in-memory snapshots of its own
     state. ``held``: for each other rank whose copies it keeps, the steps of
-    complete copies it holds (not part of the hash).
+    complete copies it holds (not part of the hash). ``records``: the state fingerprints it vouches
+    for, by (job rank of the state's owner, step): its own records and those its held copies
+    carry (what a restore verifies against; not planned with). ``timeline``: the generation its
+    timeline began in (its last resume from disk or the job's start): records of an earlier
+    generation than the latest timeline any rank reports describe a timeline the job has left.
     """
 
     rank: int
     live_step: int | None
     own_steps: frozenset[int] = frozenset()
     held: dict[int, frozenset[int]] = field(default_factory=dict, hash=False)
+    records: dict[tuple[int, int], StateFingerprint] = field(default_factory=dict, hash=False)
+    timeline: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,8 +100,8 @@ class Rejected:
         """``reports`` without the rejected live states and copies (a planner's input)."""
         out = {}
         for r, report in reports.items():
-            out[r] = RankReport(
-                rank=report.rank,
+            out[r] = replace(
+                report,
                 live_step=None if r in self.live else report.live_step,
                 own_steps=frozenset(s for s in report.own_steps if (r, s) not in self.own),
                 held={

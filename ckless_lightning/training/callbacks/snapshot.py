@@ -12,8 +12,9 @@ callbacks, LR schedulers, optimizer hyper-parameters, data position) plus the
 RNG state, pickled; the tensors stay live, or (``buddy`` source) are copied to
 host memory and to the buddy rank by the :class:`SnapshotCopies`; that exchange
 runs in the background and is waited for before the next step's first batch.
-Each step's :class:`~ckless_lightning.replication.fingerprint.StateFingerprint` goes to
-``on_record`` (the job store) before any copy of the step leaves the rank.
+Each step's :class:`~ckless_lightning.replication.fingerprint.StateFingerprint` is kept by the
+rank and carried by the step's copy (:meth:`SnapshotCopies.record`), so no copy leaves the rank
+without its record.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ckless_lightning.replication import SnapshotCopies
-from ckless_lightning.replication.fingerprint import StateFingerprint
 from ckless_lightning.replication.loop_state import encode_loop_state
 from ckless_lightning.replication.state import (
     RNG_KEY,
@@ -44,8 +44,7 @@ __all__ = ["SnapshotCallback"]
 
 
 class SnapshotCallback(pl.Callback):
-    """Records each committed step of generation ``generation`` in ``snapshots``; ``on_record`` gets
-    each step's fingerprint (it must make it outlive this rank before returning); ``on_first_record``
+    """Records each committed step of generation ``generation`` in ``snapshots``; ``on_first_record``
     runs once (the job has state)."""
 
     def __init__(
@@ -53,12 +52,10 @@ class SnapshotCallback(pl.Callback):
         snapshots: SnapshotCopies,
         *,
         generation: int = 0,
-        on_record: Callable[[StateFingerprint], None] | None = None,
         on_first_record: Callable[[], None] | None = None,
     ) -> None:
         self.snapshots = snapshots
         self.generation = generation
-        self.on_record = on_record
         self.on_first_record = on_first_record
         self.record_s = 0.0  # taking snapshots (dump, pickle, host copy, posting the exchange)
         self.record_cpu_s = 0.0  # the same, in this thread's CPU time (what it costs on busy cores)
@@ -109,9 +106,7 @@ class SnapshotCallback(pl.Callback):
         checkpoint[RNG_KEY] = rng_state()  # set again when a restored generation starts training
         tensors = self.state_tensors(pl_module, trainer.optimizers)
         step = trainer.global_step
-        fingerprint = self.snapshots.record(step, encode_loop_state(checkpoint), tensors, gen=self.generation)
-        if self.on_record is not None:
-            self.on_record(fingerprint)
+        self.snapshots.record(step, encode_loop_state(checkpoint), tensors, gen=self.generation)
         self.snapshots.exchange(step)
         if self.on_first_record is not None:
             self.on_first_record()
