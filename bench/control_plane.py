@@ -13,13 +13,15 @@ simulated node agent, in this process, against a real ``TCPStore`` hosting the j
   node's heartbeat board, or with ``--beats store`` to the store), votes
   (:class:`StepCommit`) and, at tier 4, marks the job's state recorded once a generation (a step's
   fingerprint stays with the rank and its copy: no store request),
-  and reports where it is once a second (``JobStore.set_rank_where``, as ``WhereReporter`` does when
-  the place changed);
-- each node agent (``--ranks-per-node`` ranks) makes the supervision pass's store look every
-  ``agent.monitor_interval`` (0.1 s; :class:`StoreLook`, the node agent's own code: it reads its
-  ranks' beats from the board and publishes those that changed in one request), and when one
-  of its ranks dies, moves the job to the next generation (``JobStore.advance_generation``) and
-  starts a replacement rank (new connections; heartbeat and membership written as the agent does);
+  and reports where it is once a second, as ``WhereReporter`` does when the place changed (to its
+  slot of the node's board, or with ``--beats store`` to the store);
+- each node agent (``--ranks-per-node`` ranks) looks at its node every ``agent.monitor_interval``
+  (0.1 s: the board, no request) and makes the store pass every ``agent.store_interval`` (1 s;
+  :class:`StoreLook`, the node agent's own code: its beat, and its ranks' beats that changed, in
+  one request after one read), at once when its :class:`MoveWatch` sees the generation move; when
+  one of its ranks dies, it moves the job to the next generation (``JobStore.advance_generation``)
+  and starts a replacement rank (new connections; heartbeat and membership written as the agent
+  does);
 - one rank dies before its vote on ``--kill-step`` (its thread ends; a real rank's process would);
   the others find out in the vote, leave, and join the next generation with the replacement.
 
@@ -63,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from torch.distributed import Store, TCPStore  # noqa: E402
 
+from ckless_lightning.agent.move_watch import MoveWatch  # noqa: E402
 from ckless_lightning.agent.store_look import StoreLook  # noqa: E402
 from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore  # noqa: E402
 from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats, HeartbeatWriter  # noqa: E402
@@ -74,6 +77,7 @@ from ckless_lightning.training.callbacks.heartbeat import HeartbeatCallback  # n
 
 SECRET = "control-plane-bench"
 MONITOR_INTERVAL_S = 0.1  # agent.monitor_interval's default
+STORE_INTERVAL_S = 1.0  # agent.store_interval's default
 WHERE_INTERVAL_S = 1.0  # WhereReporter's interval
 
 
@@ -158,6 +162,7 @@ class Row:
     recovery_s: float
     recovery_store_requests: int
     recovery_store_requests_per_node: float
+    recovery_requests_by_kind: dict[str, float]  # per rank, from the fault to every rank joined
     sim_cpu_s: float  # this process's CPU seconds per wall second in the steady window
     connections: int
 
@@ -263,8 +268,12 @@ class SimRank(threading.Thread):
         self.rank = rank
         self.store = job.client()
         self.waiter = job.client()
-        self.vote_waiter = job.client() if job.blocking_vote else None  # what a waiting vote blocks in
+        # What a waiting vote blocks in (and, as InProcessRecovery's, the join barrier between generations)
+        self.barrier_waiter = job.client()
+        self.vote_waiter = self.barrier_waiter if job.blocking_vote else None
         self.beats = job.beats(rank, self.store)
+        # Where it is goes with its beats (as InProcessRecovery's WhereReporter): the board, or the store
+        self.where: BoardBeats | JobStore = self.beats if isinstance(self.beats, BoardBeats) else self.store
         self.session = GenerationSession(
             self.store,
             rank=rank,
@@ -272,6 +281,7 @@ class SimRank(threading.Thread):
             generation=generation,
             join_timeout_s=600,
             beats=self.beats,
+            waiter=self.barrier_waiter,
         )
         self.session.completed_step = first_step - 1
         self.replacement = generation > 0
@@ -322,7 +332,7 @@ class SimRank(threading.Thread):
                         self.store.mark_state_recorded()
                         marked = True
                     if time.monotonic() >= next_where:
-                        self.store.set_rank_where(rank, "running" if step % 2 else "data")
+                        self.where.set_rank_where(rank, "running" if step % 2 else "data")
                         next_where = time.monotonic() + WHERE_INTERVAL_S
                     self.session.completed_step = step
                     step += 1
@@ -366,7 +376,10 @@ class SimRank(threading.Thread):
 
 
 class SimAgent(threading.Thread):
-    """One node's agent: a store look per pass; replaces a rank of its node that died."""
+    """One node's agent, as NodeAgent's supervision loop: a look at its node (the board) every
+    ``MONITOR_INTERVAL_S``; a store pass (:meth:`StoreLook.look`) every ``STORE_INTERVAL_S``, at once
+    when its :class:`MoveWatch` (on a connection of its own) sees the job's generation move, and when
+    the node's look finds a rank of its node dead, which it then replaces."""
 
     def __init__(self, job: Job, node: int) -> None:
         super().__init__(name=f"agent{node}", daemon=True)
@@ -387,27 +400,35 @@ class SimAgent(threading.Thread):
         self.store.set_node_owner(node, f"sim-agent-{node}")  # as NodeAgent does as it starts
         for rank in self.local:  # as NodeAgent.start_rank, before the rank's process starts
             self._first_beat(rank, 0)
+        self.watch = MoveWatch(job.client(), 0, name=f"agent{node}-move-watch")
 
     def run(self) -> None:
         job, gen = self.job, 0
+        self.watch.start()
         try:
             while not job.done.is_set():
-                start = time.perf_counter()
-                look = self.look.look(gen, self.local)
-                job.looks.append(time.perf_counter() - start)
-                gen = max(gen, look.current)
-                with job.lock:
+                with job.lock:  # the node's look: a dead rank's exit code, and the board (no request)
                     lost = [r for r in self.local if r in job.dead]
                     job.dead.difference_update(lost)
+                due = self.watch.take() or lost or self.look.since_pass() >= STORE_INTERVAL_S
+                if due or self.look.glance(self.local) is None:
+                    start = time.perf_counter()
+                    look = self.look.look(gen, self.local)
+                    job.looks.append(time.perf_counter() - start)
+                    gen = max(gen, look.current)
                 for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
                     gen = self.store.advance_generation(gen, world_size=job.world)
                     self._first_beat(rank, gen)
                     self.store.set_member(rank, gen)
                     SimRank(job, rank, generation=gen, first_step=job.kill_step).start()
-                time.sleep(MONITOR_INTERVAL_S)
+                self.watch.pause(MONITOR_INTERVAL_S)
         except Exception as err:  # a bench thread's failure is reported in the table's place
             job.errors.append(f"agent {self.node}: {type(err).__name__}: {err}")
             job.done.set()
+        finally:
+            # The job is over: end the watch's wait before the job's store closes (as the agent
+            # hosting the store does), so no wait is left on a connection that closes.
+            self.watch.stop(release=self.store)
 
     def _first_beat(self, rank: int, gen: int) -> None:
         """The beat NodeAgent.start_rank writes for a rank it starts: to the store and the board."""
@@ -474,7 +495,8 @@ def simulate(
     total = sum(steady.values())
     assert job.fault_at is not None and job.fault_counts is not None and job.recovered_counts is not None
     recovered_at = max(job.joined_after_fault.values())
-    recovery_requests = sum((job.recovered_counts - job.fault_counts).values())
+    recovery_counts = job.recovered_counts - job.fault_counts
+    recovery_requests = sum(recovery_counts.values())
     steady_votes = [s for t, s in job.votes if window["start"] <= t <= window["end"]]
     return Row(
         ranks=world,
@@ -489,6 +511,7 @@ def simulate(
         recovery_s=recovered_at - job.fault_at,
         recovery_store_requests=recovery_requests,
         recovery_store_requests_per_node=recovery_requests / job.nodes,
+        recovery_requests_by_kind={k: v / world for k, v in sorted(recovery_counts.items())},
         sim_cpu_s=(window["cpu_end"] - window["cpu"]) / wall,
         connections=job.connections,
     )
@@ -565,6 +588,12 @@ def _table(rows: list[Row]) -> str:
     lines.append("requests per rank-step by kind: " + ", ".join(kinds))
     for r in rows:
         lines.append(f"{r.ranks:>6}: " + "  ".join(f"{k} {r.requests_by_kind.get(k, 0):.2f}" for k in kinds))
+    kinds = sorted({k for r in rows for k in r.recovery_requests_by_kind})
+    lines.append("")
+    lines.append("recovery store requests per rank by kind: " + ", ".join(kinds))
+    for r in rows:
+        by_kind = r.recovery_requests_by_kind
+        lines.append(f"{r.ranks:>6}: " + "  ".join(f"{k} {by_kind.get(k, 0):.2f}" for k in kinds))
     return "\n".join(lines)
 
 

@@ -234,6 +234,7 @@ def _stand_by(job: Any, container: dict[str, Any], run_dir: Path, secret: str) -
         nnodes=job.cluster.nnodes,
         node_timeout_s=job.agent.node_timeout,
         agent_id=f"{socket.gethostname()}:{os.getpid()}",
+        interval_s=job.agent.store_interval,
     )
     if node is None:
         print("standby: the job ended without needing this agent")

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from ckless_lightning.agent.node_agent import NodeAgent
+from ckless_lightning.agent.policies import ReplaceFailed
 from ckless_lightning.agent.store_look import StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore
-from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats
+from ckless_lightning.comm.beat_board import _RECORD, _SLOT, BeatBoard, BoardBeats
+from ckless_lightning.recovery.where import WhereReporter
+from ckless_lightning.runtime.config import AgentConfig
 from ckless_lightning.runtime.contract import RankContext, UsageError
 
 SECRET = "test-beat-board-secret-0123456789"
@@ -118,3 +124,114 @@ def test_the_agents_look_reads_the_board_and_publishes_what_changed_in_one_reque
     assert store.rank_heartbeats([4, 5, 6]) == beats  # what other nodes read
     look.look(0, [4, 5, 6])
     assert len(store.published) == 1  # nothing changed: nothing sent
+
+
+def test_a_rank_process_reports_where_it_is_on_the_agents_board(board):
+    """The rank's WhereReporter writes through its BoardBeats into its slot; the agent reads it there."""
+    code = (
+        "import sys\n"
+        "from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats\n"
+        "BoardBeats(BeatBoard.open(sys.argv[1]), rank=7, slot=2).set_rank_where(7, 'peers')\n"
+    )
+    subprocess.run([sys.executable, "-c", code, board.path], check=True, timeout=60)
+    assert board.read_where(2) == "peers"
+    assert board.read_where(0) is None and board.read_where(1) is None
+    assert board.read(2) is None  # a position is no heartbeat
+
+    rank_side = BeatBoard.open(board.path)  # a second mapping of the same memory, as a rank has
+    try:
+        beats = BoardBeats(rank_side, rank=5, slot=1)
+        reporter = WhereReporter(beats, 5, interval_s=0.01)
+        reporter.start()
+        deadline = time.monotonic() + 30
+        while reporter._last is None and time.monotonic() < deadline:  # in this file's code only: a
+            time.sleep(0.01)  # sample taken in the board's reads (ckless_lightning/comm/) says "peers"
+        reporter.stop()
+        assert board.read_where(1) == "running"  # the main thread runs this test's own code
+        with pytest.raises(AssertionError):
+            beats.set_rank_where(6, "peers")  # only this rank's own position
+    finally:
+        rank_side.close()
+
+
+def test_a_slots_heartbeats_and_position_are_independent_records(board):
+    board.write(1, Heartbeat(2, 5, 101.0))
+    board.write(1, Heartbeat(2, 5, 100.0), by_agent=True)
+    assert board.read_where(1) is None
+    board.write_where(1, "device")
+    board.write_where(1, "data")  # overwritten in place
+    assert board.read(1) == Heartbeat(2, 5, 101.0)
+    assert board.read_where(1) == "data"
+    board.write(1, Heartbeat(2, 6, 102.0, "recovery"))
+    board.write(1, Heartbeat(2, 6, 103.0), by_agent=True)
+    assert board.read_where(1) == "data"
+    assert board.read(1) == Heartbeat(2, 6, 103.0)
+    assert (board.read(0), board.read_where(0), board.read(2), board.read_where(2)) == (None,) * 4
+
+
+def test_a_torn_position_reads_as_none_and_the_next_write_restores_it(board):
+    board.write(1, Heartbeat(1, 4, 60.0))
+    board.write_where(1, "running")
+    offset = 1 * _SLOT + 2 * _RECORD  # slot 1's position record
+    (seq,) = struct.unpack_from("<Q", board._map, offset)
+    struct.pack_into("<Q", board._map, offset, seq + 1)  # its writer killed between two stores
+    assert board.read_where(1) is None
+    assert board.read(1) == Heartbeat(1, 4, 60.0)  # the beats are other records
+    board.write_where(1, "peers")  # the slot's next process writes on
+    assert board.read_where(1) == "peers"
+    board._map[offset + 16 : offset + 18] = b"xx"  # seen half written, counter even: the CRC tells
+    assert board.read_where(1) is None
+    board.write_where(1, "data")
+    assert board.read_where(1) == "data"
+
+
+class _WhereCountingJobStore(JobStore):
+    asked: list[list[int]]
+
+    def rank_where(self, ranks):
+        self.asked.append(list(ranks))
+        return super().rank_where(ranks)
+
+
+class _Running:
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # running, not stopped (state T)
+        self.killed = False
+
+    def poll(self) -> int | None:
+        return None
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+def test_the_agents_hang_blame_reads_where_the_ranks_are_from_its_board(board):
+    """Ranks 4 and 5 are stale, both waiting on peers; rank 6 beat a moment later but runs its own
+    code: it is the one blamed, read from the node's board, with no store request (the store's
+    stale ``where/<rank>`` keys say otherwise and are not read)."""
+    host = JobStore.host("127.0.0.1", 0, secret=SECRET)
+    store = _WhereCountingJobStore(host._server, secret=SECRET)
+    store.asked = []
+    store.set_rank_where(4, "running")  # what nothing writes with a board: must not be read
+    store.set_rank_where(6, "peers")
+    emitted: list[tuple[str, dict]] = []
+    agent = NodeAgent.__new__(NodeAgent)  # the methods the policy uses, on a node of ranks 4, 5, 6
+    agent.store, agent.board, agent.local_ranks = store, board, [4, 5, 6]
+    agent.ranks = {r: _Running() for r in (4, 5, 6)}  # type: ignore[misc]
+    agent.cfg, agent.node, agent.finished = AgentConfig(), 0, set()
+    agent.events = SimpleNamespace(emit=lambda kind, **fields: emitted.append((kind, fields)))  # type: ignore[assignment]
+    for slot, where in enumerate(("peers", "peers", "running")):
+        BoardBeats(board, rank=4 + slot, slot=slot).set_rank_where(4 + slot, where)
+    beats = {4: Heartbeat(1, 7, 100.0), 5: Heartbeat(1, 7, 100.1), 6: Heartbeat(1, 7, 100.2)}
+
+    policy = ReplaceFailed(agent, store, budget=None)  # type: ignore[arg-type]
+    assert policy._report_hang(1, [4, 5], beats) == 6
+    assert agent.ranks[6].killed and not agent.ranks[4].killed  # type: ignore[attr-defined]
+    [(kind, fields)] = emitted
+    assert kind == "fault_detected" and fields["where"] == {"4": "peers", "5": "peers", "6": "running"}
+    assert store.asked == []
+
+    # A local rank that never reported on the board is asked of the store; no board: all of them.
+    assert agent.local_where([4, 7]) == {4: "peers"} and store.asked == [[7]]
+    agent.board = None
+    assert agent.local_where([4, 5, 6]) == {4: "running", 6: "peers"}

@@ -360,7 +360,7 @@ def test_a_fault_after_a_peer_finished_ends_the_rank_as_finished_without_a_new_g
 
     for rank in (0, 1):
         store.set_member(rank, 0)
-    store.join(0)  # rank 1 is in generation 0; rank 0 joins it in fit
+    store.join(0, 2)  # rank 1 is in generation 0 (of 2 ranks); rank 0 joins it in fit
     recovery = InProcessRecovery(Generation(store, number=0, rank=0, world_size=2, mesh=(1, 2)))
     fake = _LastCollectiveFails(store)
     start = time.monotonic()

@@ -150,7 +150,7 @@ def test_a_barrier_shrinks_away_only_ranks_with_no_live_process() -> None:
             if not silent:
                 for rank in ranks:
                     waiter.set_member(rank, 1)
-                    waiter.join(1)
+                    waiter.join(1, 3)
 
         late = threading.Thread(target=leave_late)
         late.start()

@@ -1,14 +1,25 @@
 """A node agent's pass against the job store (agent/store_look.py): two requests for any number of
-nodes, nothing written by an agent whose node was taken over, beat counts that never go back."""
+nodes, nothing written by an agent whose node was taken over, beat counts that never go back; the
+agent's two cadences (a look at its node every agent.monitor_interval, a store pass every
+agent.store_interval) and its move watch (agent/move_watch.py), which brings a generation move at
+once."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from ckless_lightning.agent.move_watch import MoveWatch
+from ckless_lightning.agent.node_agent import NodeAgent
+from ckless_lightning.agent.policies import Action
 from ckless_lightning.agent.store_look import StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore
+from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats
+from ckless_lightning.runtime.config import AgentConfig, job_config_from_dict
 
 SECRET = "store-look-test-secret"
 
@@ -19,12 +30,14 @@ class _CountingRequests:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.calls: list[str] = []
+        self.times: list[float] = []  # monotonic, one per call
 
     def __getattr__(self, name: str):
         method = getattr(self.inner, name)
 
         def call(*args, **kwargs):
             self.calls.append(name)
+            self.times.append(time.monotonic())
             return method(*args, **kwargs)
 
         return call
@@ -37,6 +50,9 @@ def host():
 
 
 def _client(host: JobStore) -> tuple[JobStore, _CountingRequests]:
+    """A counted client; the host's writes so far are applied first (a TCPStore client sends a set
+    without waiting for a reply: a read on the same connection returns only after it was applied)."""
+    host.generation()
     store = host.another_client()
     counting = _CountingRequests(store._tcp)
     store._tcp = counting  # type: ignore[assignment]
@@ -66,6 +82,9 @@ def test_before_every_agent_beat_a_pass_reads_key_by_key_and_then_in_one_request
     assert look.look(0, []).owned  # node 1's agent has not beaten: no multi_get would return
     assert "multi_get" not in counting.calls
     host.agent_pass_write(1, 0, 1, {})
+    # A TCPStore client sends a set without waiting for a reply; a read on the same connection
+    # returns only after the store applied it, so the other client's check below sees the beat.
+    assert host.agent_heartbeat(1) == (0, 1)
     counting.calls.clear()
     look.look(0, [])
     assert counting.calls == ["check", "multi_get", "multi_set"]
@@ -118,3 +137,211 @@ def test_the_first_reason_to_give_up_stands_and_every_pass_sees_it(host):
     assert host.giveup_reason() == "fault budget spent (3 restarts)"
     assert host.giveup_code() is None
     assert look.look(0, []).giveup
+
+
+def test_a_glance_reads_the_board_alone_with_the_last_passs_reading(host):
+    board = BeatBoard.create(2)
+    try:
+        host.set_node_owner(0, "agent-0")
+        store, counting = _client(host)
+        look = StoreLook(
+            store, node=0, nnodes=1, node_timeout_s=30.0, agent_id="agent-0", board=board, slots={0: 0, 1: 1}
+        )
+        for slot in (0, 1):  # the agent starts its ranks
+            board.write(slot, Heartbeat(0, -1, 100.0), by_agent=True)
+            look.published(slot, Heartbeat(0, -1, 100.0))
+        assert look.glance([0, 1]) is None  # before the first store pass: only a pass can answer
+        look.look(0, [0, 1])
+        host.advance_generation(0, world_size=2)
+        BoardBeats(board, rank=1, slot=1).set_rank_heartbeat(1, Heartbeat(0, 3, 101.0))
+        counting.calls.clear()
+        glance = look.glance([0, 1])
+        assert counting.calls == []
+        assert glance is not None and glance.beats[1] == Heartbeat(0, 3, 101.0)
+        assert (glance.owned, glance.giveup, glance.current) == (True, False, 0)  # the last pass's
+        assert look.look(0, [0, 1]).current == 1
+    finally:
+        board.close()
+
+
+def test_without_a_board_a_glance_answers_with_the_last_passs_beats(host):
+    host.set_node_owner(0, "agent-0")
+    host.set_rank_heartbeat(0, Heartbeat(0, 3, 100.0))
+    host.set_rank_heartbeat(1, Heartbeat(0, 3, 100.0))
+    look = StoreLook(host, node=0, nnodes=1, node_timeout_s=30.0, agent_id="agent-0")
+    look.look(0, [0])
+    host.set_rank_heartbeat(0, Heartbeat(0, 4, 101.0))
+    glance = look.glance([0])
+    assert glance is not None and glance.beats == {0: Heartbeat(0, 3, 100.0)}  # read at the pass
+    assert look.glance([0, 1]) is None  # rank 1 was not read: a store pass answers
+
+
+# -- the move watch (agent/move_watch.py) ---------------------------------------------------------
+
+
+def test_the_move_watch_wakes_at_a_move_and_follows_the_job(host):
+    watch = MoveWatch(host.another_client(), 0)
+    watch.start()
+    try:
+        assert not watch.take()
+        for gen in (0, 1):
+            start = time.monotonic()
+            threading.Timer(0.2, lambda g=gen: host.advance_generation(g, world_size=2)).start()
+            watch.pause(5.0)
+            assert watch.take() and time.monotonic() - start < 2.0
+    finally:
+        watch.stop(release=host)
+    assert not watch._thread.is_alive()
+
+
+def test_a_give_up_wakes_the_move_watch_and_a_stop_without_release_is_bounded(host):
+    watch = MoveWatch(host.another_client(), 0)
+    watch.start()
+    try:
+        threading.Timer(0.2, lambda: host.give_up("fault budget spent")).start()
+        watch.pause(5.0)
+        assert watch.take()  # every agent's next store pass at once: it reads the reason
+        start = time.monotonic()
+        watch.stop(join_s=0.3)  # its node done first, the job goes on: nobody releases it yet
+        assert time.monotonic() - start < 1.0 and watch._thread.is_alive()
+    finally:
+        watch.stop(release=host)  # the job is over
+    assert not watch._thread.is_alive()
+
+
+def test_a_mover_that_died_before_the_wake_up_is_seen_at_the_recheck(host):
+    watch = MoveWatch(host.another_client(), 0, recheck_s=0.3)
+    watch.start()
+    try:
+        host._tcp.compare_set("gen", "0", "1")  # a mover killed before it woke the watches
+        watch.pause(3.0)
+        assert watch.take() and watch.generation == 1
+    finally:
+        watch.stop(release=host)
+
+
+# -- the agent's two cadences (NodeAgent._observe) ------------------------------------------------
+
+
+class _FakeRank:
+    """A local rank's process as the supervision loop sees it: running until ``ends_at`` (monotonic),
+    then exit 0. Its pid is this process's (never stopped)."""
+
+    def __init__(self, ends_at: float) -> None:
+        self.ends_at = ends_at
+        self.pid = os.getpid()
+
+    def poll(self) -> int | None:
+        return 0 if time.monotonic() >= self.ends_at else None
+
+    def stop(self, grace_s: float) -> None:
+        self.ends_at = 0.0
+
+    def kill(self) -> None:
+        self.ends_at = 0.0
+
+
+def _supervising_agent(compose, host: JobStore, lives: dict[int, float], *overrides: str):
+    """A node agent of a one-node, two-rank tier-0 job on ``host`` through a counting client, whose
+    ranks (fakes) of generation ``g`` run ``lives[g]`` seconds; the starts it made, (gen, monotonic)."""
+    job = job_config_from_dict(
+        compose(
+            "tier='0'",
+            "fault=none",
+            "cluster.nproc_per_node=2",
+            "agent.fork_server=false",
+            "data.mmap_cache=false",
+            "agent.monitor_interval=0.1",
+            *overrides,
+        )
+    )
+    agent = NodeAgent(job, Path("unused.yaml"), prepared_path=None, secret=SECRET)
+    store, counting = _client(host)
+    agent._attach_store(store)
+    store.set_node_owner(0, agent.agent_id)
+    started: list[tuple[int, float]] = []
+
+    def start_ranks(gen: int) -> None:  # as NodeAgent.start_rank writes a started rank's beat
+        started.append((gen, time.monotonic()))
+        for slot, rank in enumerate(agent.local_ranks):
+            beat = Heartbeat(gen, -1, time.time())
+            agent.board.write(slot, beat, by_agent=True)
+            agent._look.published(rank, beat)
+            agent.ranks[rank] = _FakeRank(time.monotonic() + lives[gen])
+
+    agent.start_ranks = start_ranks  # type: ignore[method-assign]
+    return agent, counting, started
+
+
+def test_the_agent_goes_to_the_store_once_a_store_interval_not_once_a_look(compose, host):
+    agent, counting, started = _supervising_agent(compose, host, {0: 3.0}, "agent.store_interval=1.0")
+    try:
+        assert agent._supervise() == 0  # its ranks run 3 s, then exit 0
+    finally:
+        agent._stop_watch(release=True)
+        agent.board.close()
+    begin = started[0][1]
+    steady = [t for t in counting.times if begin + 0.5 <= t < begin + 2.5]  # 20 looks at its node
+    # Two store passes of two requests each (a multi_get, a multi_set); a pass per look made 40.
+    assert 2 <= len(steady) <= 6, counting.calls
+    assert {"multi_get", "multi_set"} >= {counting.calls[counting.times.index(t)] for t in steady}
+
+
+def test_a_generation_moved_by_someone_else_reaches_the_agent_at_once(compose, host):
+    # A store pass every 5 s: only the move watch brings the move within 2 s.
+    agent, _, started = _supervising_agent(compose, host, {0: 30.0, 1: 0.3}, "agent.store_interval=5")
+    moved_at: list[float] = []
+
+    def move() -> None:
+        moved_at.append(time.monotonic())
+        host.advance_generation(0, world_size=2)  # another node's agent, or a rank
+
+    timer = threading.Timer(1.5, move)  # after the agent's first store pass, well before its second
+    timer.start()
+    try:
+        assert agent._supervise() == 0
+    finally:
+        timer.cancel()
+        agent._stop_watch(release=True)
+        agent.board.close()
+    assert [gen for gen, _ in started] == [0, 1]
+    assert started[1][1] - moved_at[0] < 2.0  # tiers 0-2 restart every rank on it
+
+
+def test_node_0_waiting_for_the_other_nodes_sleeps_between_looks_after_a_wake(compose, host):
+    """A wake the loop did not take yet (here: set by hand) must not turn the wait into a busy loop."""
+    agent, counting, _ = _supervising_agent(
+        compose, host, {}, "cluster.nnodes=2", "cluster.master_port=29999", "cluster.master_addr=127.0.0.1"
+    )
+    agent._watch = MoveWatch(host.another_client(), 0)
+    agent._watch.start()
+    agent._watch.moved.set()
+    threading.Timer(1.0, lambda: host.mark_done(0, 1)).start()  # node 1 is done a second later
+    try:
+        assert agent._wait_for_other_nodes(0).action is Action.DONE
+    finally:
+        agent._stop_watch(release=True)
+        agent.board.close()
+    assert len(counting.calls) < 80, len(counting.calls)  # about 4 a look, a look per 0.1 s
+
+
+# -- agent.store_interval -------------------------------------------------------------------------
+
+
+def test_store_interval_defaults_to_a_second_and_must_leave_node_timeout_room():
+    assert AgentConfig().store_interval == 1.0
+    assert AgentConfig(node_timeout=4).store_interval == 1.0  # the tests' small node_timeout
+    with pytest.raises(ValueError, match=r"agent\.store_interval must be a positive number"):
+        AgentConfig(store_interval=0)
+    with pytest.raises(ValueError) as err:
+        AgentConfig(node_timeout=4, store_interval=2)
+    message = str(err.value)
+    assert "agent.store_interval=2 must be at most agent.node_timeout/3 = 1.33 s" in message
+    assert "lower agent.store_interval or raise agent.node_timeout to at least 6" in message
+    AgentConfig(node_timeout=6, store_interval=2)  # the fix it names works
+
+
+def test_store_interval_composes_from_the_command_line(compose):
+    assert job_config_from_dict(compose("agent.store_interval=0.5")).agent.store_interval == 0.5
+    with pytest.raises(ValueError, match=r"agent\.store_interval=20 must be at most"):
+        job_config_from_dict(compose("agent.store_interval=20"))

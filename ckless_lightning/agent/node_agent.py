@@ -6,10 +6,19 @@ so losing any rank never loses the store; with ``cluster.store`` every agent joi
 standalone store (``python -m ckless_lightning.store``) instead, and node 0 is a node
 like any other: losing it is a node loss, not the job's end.
 
-The supervision loop: each pass writes the agent's heartbeat, observes the node
-and the job once (:class:`~ckless_lightning.agent.policies.Observation`: the
-give-up reason, the job's generation, each local rank's exit code and heartbeat,
-stale ranks, silent nodes) and hands that to the tier's policy, which decides:
+The supervision loop: each pass observes the node and the job once
+(:class:`~ckless_lightning.agent.policies.Observation`: the give-up reason, the
+job's generation, each local rank's exit code and heartbeat, stale ranks, silent
+nodes) and hands that to the tier's policy. Two cadences: every
+``agent.monitor_interval`` (0.1 s) the agent looks at its node (exit codes, the
+board's heartbeats: no store request); the store pass
+(:class:`~ckless_lightning.agent.store_look.StoreLook`: two requests, the job's
+generation and give-up, the other agents' beats, this agent's beat) runs every
+``agent.store_interval`` (1 s), at once when the job's generation moves (a
+:class:`~ckless_lightning.agent.move_watch.MoveWatch` thread blocked in the
+store wakes the loop), and whenever the node's look finds something to act on
+(a rank exited or is stale), so the policy decides on the job's current state.
+The policy decides:
 
 - :class:`~ckless_lightning.agent.policies.RestartAll` (tiers 0-2): on any fault
   the whole job moves to a new generation: every agent stops its ranks and
@@ -25,7 +34,7 @@ or stopped is replaced in the background, in a pass where every local rank
 trains), fires due outside faults
 (:class:`~ckless_lightning.runtime.outside_faults.OutsideFaultInjector`, and
 ``fault=chaos``'s :class:`~ckless_lightning.runtime.outside_faults.ChaosInjector`) and
-sleeps ``agent.monitor_interval``.
+sleeps ``agent.monitor_interval`` (less if the job's generation moves meanwhile).
 
 A lost slot (``fault=slot_lost``: a rank's device gone, no spare) has no process: the agent
 starts nothing in its place until the job completed ``fault.return_step``, then starts one in
@@ -63,6 +72,7 @@ from torch.distributed import DistNetworkError
 from ckless_lightning.agent.batch_cache_service import BatchCacheService
 from ckless_lightning.agent.budget import RestartBudget
 from ckless_lightning.agent.fork_server import ForkServer
+from ckless_lightning.agent.move_watch import MoveWatch
 from ckless_lightning.agent.policies import (
     Action,
     Decision,
@@ -72,7 +82,7 @@ from ckless_lightning.agent.policies import (
     silence_limit,
 )
 from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped, reap
-from ckless_lightning.agent.store_look import StoreLook
+from ckless_lightning.agent.store_look import Look, StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.comm.beat_board import BeatBoard
 from ckless_lightning.record.events import EventLog
@@ -156,6 +166,7 @@ class NodeAgent:
         self.lost_slots: dict[int, int | None] = {}  # rank -> the completed step its device is back after
         self._spares_due = False  # fill the spare pool once every local rank has done a step
         self._look: StoreLook | None = None  # this agent's passes' look at the store, once it has one
+        self._watch: MoveWatch | None = None  # wakes the loop when the job's generation moves
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -184,15 +195,7 @@ class NodeAgent:
             self.store = None
             return ExitCode.CONFIG
         self.store_port = self.store.port
-        self._look = StoreLook(
-            self.store,
-            node=self.node,
-            nnodes=self.cluster.nnodes,
-            node_timeout_s=self.cfg.node_timeout,
-            agent_id=self.agent_id,
-            board=self.board,
-            slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
-        )
+        self._attach_store(self.store)
         self.store.set_node_owner(self.node, self.agent_id)
         if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
             self.events.emit(
@@ -227,8 +230,41 @@ class NodeAgent:
             self.batch_cache.close()
             if self.board is not None:
                 self.board.close()
+            self._stop_watch(release=is_host)  # (if the job's end did not already)
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
+
+    def _attach_store(self, store: JobStore) -> None:
+        """Use ``store`` (hosted or joined) from now on: this agent's passes' look at it."""
+        self.store = store
+        self._look = StoreLook(
+            store,
+            node=self.node,
+            nnodes=self.cluster.nnodes,
+            node_timeout_s=self.cfg.node_timeout,
+            agent_id=self.agent_id,
+            board=self.board,
+            slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
+        )
+
+    def _stop_watch(self, *, release: bool) -> None:
+        """End the move watch as the agent leaves, before the store connection goes (bounded:
+        :meth:`MoveWatch.stop`). ``release``: the job is over for every agent (or the store closes
+        with this agent, its host): end every agent's watch now."""
+        if self._watch is None:
+            return
+        try:
+            self._watch.stop(release=self.store if release else None)
+        except RuntimeError as err:  # the store failed: the watch's thread ends with its connection
+            print(f"[agent{self.node}] could not release the move watch ({err})", file=sys.stderr)
+        self._watch = None
+
+    def _pause(self) -> None:
+        """Sleep ``agent.monitor_interval``, less if the job's generation moves meanwhile."""
+        if self._watch is None:
+            time.sleep(self.cfg.monitor_interval)
+        else:
+            self._watch.pause(self.cfg.monitor_interval)
 
     def local_beats(self, ranks: list[int]) -> dict[int, Heartbeat]:
         """This node's ranks' latest heartbeats (from the board, fresher than the store's copy)."""
@@ -239,6 +275,20 @@ class NodeAgent:
         beats = {rank: self.board.read(slot) for rank, slot in slots.items()}
         missing = [rank for rank, beat in beats.items() if beat is None]
         return {**beats, **(self.store.rank_heartbeats(missing) if missing else {})}  # type: ignore[dict-item]
+
+    def local_where(self, ranks: list[int]) -> dict[int, str]:
+        """Where ``ranks`` last said their main threads were (``recovery/where.py``), for the hang
+        blame; ranks that never said are left out. Read from the board (no store request when every
+        one of ``ranks`` is on it); the store's ``where/<rank>`` for the others, and for all of them
+        with ``agent.local_beats=false``."""
+        assert self.store is not None
+        if self.board is None:
+            return self.store.rank_where(ranks)
+        board = self.board
+        where = {r: board.read_where(self.local_ranks.index(r)) for r in ranks if r in self.local_ranks}
+        missing = [r for r in ranks if where.get(r) is None]
+        found = {r: w for r, w in where.items() if w is not None}
+        return {**found, **(self.store.rank_where(missing) if missing else {})}
 
     def restart_hang_clock(self, rank: int, beat: Heartbeat) -> None:
         """Give local ``rank`` a fresh silence limit: ``beat`` (its own, timed now) on its behalf."""
@@ -290,6 +340,8 @@ class NodeAgent:
         if gen is None:
             return self._give_up_exit()
         policy = (RestartAll if self.job.tier < 3 else ReplaceFailed)(self, self.store, budget)
+        self._watch = MoveWatch(self.store.another_client(), gen, name=f"agent{self.node}-move-watch")
+        self._watch.start()
         self.start_ranks(gen)
         self.refill_spares_later()
         while True:
@@ -301,6 +353,8 @@ class NodeAgent:
             if decision.action is Action.DONE:
                 decision = self._wait_for_other_nodes(gen)
                 if decision.action is Action.DONE:
+                    if self.node == 0:  # it waited for every node: the job is over for every agent
+                        self._stop_watch(release=True)
                     return 0
             if decision.action is Action.GIVE_UP:
                 policy.give_up(gen)
@@ -312,17 +366,37 @@ class NodeAgent:
                 gen = moved
             elif decision.action is Action.WATCH:
                 self._tend(gen, obs.beats)
-                time.sleep(self.cfg.monitor_interval)
+                self._pause()
             # Action.CONTINUE: the policy acted; observe again at once
 
     def _observe(self, gen: int) -> Observation | None:
-        """One pass's look (writing this agent's heartbeat, in ``gen``); acts on nothing. None: another
-        agent (a standby) took this node over while this one was silent (nothing was written)."""
+        """One pass's look; acts on nothing. None: another agent (a standby) took this node over while
+        this one was silent (nothing was written).
+
+        The node's look (exit codes, the board's beats; no store request) with what the last store
+        pass read of the job; a store pass (:meth:`StoreLook.look`, writing this agent's heartbeat
+        in ``gen``) instead once ``agent.store_interval`` has passed since the last one, at once when
+        the move watch saw the job's generation move, and again when the node's look finds
+        something the policy acts on (a rank exited or is stale, or all finished): it then decides
+        on the job's current generation and give-up."""
         assert self._look is not None
+        ranks = [r for r in self.local_ranks if r not in self.lost_slots]
+        moved = self._watch is not None and self._watch.take()
+        if not moved and self._look.since_pass() < self.cfg.store_interval:
+            now = time.time()
+            glance = self._look.glance(ranks)
+            if glance is not None:
+                obs = self._observation(gen, now, glance)
+                if not (obs.failed or obs.stale or obs.all_exited_ok):
+                    return obs
         now = time.time()
-        look = self._look.look(gen, [r for r in self.local_ranks if r not in self.lost_slots])
+        look = self._look.look(gen, ranks)
         if not look.owned:
             return None
+        return self._observation(gen, now, look)
+
+    def _observation(self, gen: int, now: float, look: Look) -> Observation:
+        """The pass's observation from ``look`` (begun at ``now``) and the ranks' exit codes."""
         codes = {rank: proc.poll() for rank, proc in self.ranks.items()}
         codes.update({rank: 0 for rank in self.finished})
         cfg = self.cfg
@@ -441,19 +515,23 @@ class NodeAgent:
         if self.node != 0:
             return Decision(Action.DONE, gen)
         while not self.store.nodes_done(gen, self.cluster.nnodes):
+            if self._watch is not None:
+                self._watch.take()  # what woke the last pause (a move, a give-up) is read below
             if self.store.giveup_reason() is not None:
                 return Decision(Action.GIVE_UP, gen)
             if (current := self.store.generation()) > gen:
                 return Decision(Action.NEXT_GENERATION, gen, target=current)
             assert self._look is not None
-            self._look.beat(gen)
-            time.sleep(self.cfg.monitor_interval)
+            if self._look.since_beat() >= self.cfg.store_interval:  # beats once a store pass would
+                self._look.beat(gen)
+            self._pause()
         return Decision(Action.DONE, gen)
 
     def _give_up_exit(self) -> int:
         """The job is given up: the exit code given with its reason (a rank's config error: 2), else
         :data:`EXIT_FAULT_BUDGET` (requeue)."""
         assert self.store is not None
+        self._stop_watch(release=True)  # the job is over for every agent
         reason = self.store.giveup_reason() or "fault budget spent"
         code = self.store.giveup_code() or EXIT_FAULT_BUDGET
         self.events.emit("giveup", reason=reason, exit_code=code)

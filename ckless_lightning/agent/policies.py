@@ -148,6 +148,8 @@ class Node(Protocol):
 
     def local_beats(self, ranks: list[int]) -> dict[int, Heartbeat]: ...
 
+    def local_where(self, ranks: list[int]) -> dict[int, str]: ...
+
     def restart_hang_clock(self, rank: int, beat: Heartbeat) -> None: ...
 
 
@@ -205,11 +207,11 @@ class Policy(ABC):
         ranks, cfg, node = self.agent.ranks, self.agent.cfg, self.agent.node
         stopped = [r for r, p in ranks.items() if p.poll() is None and is_stopped(p.pid)]
         candidates = sorted(set(stale) | set(stopped))
-        where = self.store.rank_where(candidates)
+        where = self.agent.local_where(candidates)  # read from the node's board (recovery/where.py)
         if not stopped and all(where.get(r) in ("peers", "device") for r in stale):
             live = [r for r, p in ranks.items() if p.poll() is None and r not in self.agent.finished]
             candidates = sorted(set(candidates) | set(live))
-            where = self.store.rank_where(candidates)
+            where = self.agent.local_where(candidates)
         rank = min(
             candidates,
             key=lambda r: (r not in stopped, BLAME_ORDER.get(where.get(r, ""), 0), beats[r].time, r),

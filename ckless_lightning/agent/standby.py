@@ -11,7 +11,10 @@ generation and starts the node's ranks, as a replacement node would, so a node l
 requeue. The old agent, should it come back (a stopped one resumed), finds it no longer owns
 the node and stops its ranks (:class:`~ckless_lightning.agent.node_agent.NodeAgent`).
 
-The wait is bounded by the job: it ends when the job finishes, gives up, or its store goes.
+The wait is bounded by the job: it ends when the job finishes, gives up, or its store goes. A
+standby looks at the store once per ``agent.store_interval`` (1 s), the node agents' cadence for
+their beats: a node's silence is timed to within one interval, and a waiting standby costs the store
+a few requests a second, not a few per node agent's ``agent.monitor_interval``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class StandbyWatch:
     nnodes: int
     node_timeout_s: float
     agent_id: str
-    interval_s: float = 0.1
+    interval_s: float = 1.0  # agent.store_interval's default
 
     def wait_for_lost_node(self) -> int | None:
         """Block until this standby takes over a node (its number), or the job ends (None).
@@ -62,14 +65,24 @@ class StandbyWatch:
 
 
 def stand_by(
-    host: str, port: int, *, secret: str, nnodes: int, node_timeout_s: float, agent_id: str
+    host: str,
+    port: int,
+    *,
+    secret: str,
+    nnodes: int,
+    node_timeout_s: float,
+    agent_id: str,
+    interval_s: float = 1.0,
 ) -> int | None:
     """Join the job store at ``host:port`` and wait to take a lost node over: its number, or None
-    when the job ended (done, gave up, or its store is gone) without needing this standby."""
+    when the job ended (done, gave up, or its store is gone) without needing this standby.
+    ``interval_s``: between its looks at the store (``agent.store_interval``)."""
     from torch.distributed import DistNetworkError
 
     store = JobStore.connect(host, port, secret=secret)
-    watch = StandbyWatch(store, nnodes=nnodes, node_timeout_s=node_timeout_s, agent_id=agent_id)
+    watch = StandbyWatch(
+        store, nnodes=nnodes, node_timeout_s=node_timeout_s, agent_id=agent_id, interval_s=interval_s
+    )
     try:
         return watch.wait_for_lost_node()
     except DistNetworkError:

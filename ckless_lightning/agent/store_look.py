@@ -1,7 +1,12 @@
-"""What a node agent reads from (and writes to) the job store in one supervision pass.
+"""What a node agent reads from (and writes to) the job store in a store pass, and what it reads of
+its node alone between them.
 
-The node agent's pass and ``bench/control_plane.py``'s simulated agents call the same
-:meth:`StoreLook.look`, so the bench measures the store traffic the agent makes, not a model of it.
+A node agent looks at its node every ``agent.monitor_interval`` (0.1 s: :meth:`StoreLook.glance`,
+its ranks' beats on the node's board, no store request) and makes a store pass every
+``agent.store_interval`` (1 s: :meth:`StoreLook.look`, two requests), or at once when the job's
+generation moves (:mod:`ckless_lightning.agent.move_watch`) or its node's look finds something to
+act on. The node agent and ``bench/control_plane.py``'s simulated agents call the same methods, so
+the bench measures the store traffic the agent makes, not a model of it.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ __all__ = ["Look", "StoreLook"]
 
 @dataclass(frozen=True)
 class Look:
-    """One pass's reading of the store."""
+    """One pass's reading of the store (a :meth:`StoreLook.glance`: the last store pass's, with the
+    board's beats)."""
 
     owned: bool  # this agent still acts as its node (else a standby took it over: it wrote nothing)
     giveup: bool  # the job gave up (a reason is in the store)
@@ -36,7 +42,8 @@ class StoreLook:
     ranks: one read (:meth:`JobStore.agent_pass_read`: the generation, the job's give-up, the node's
     owner, every other agent's beat) and, while this agent still owns its node, one write
     (:meth:`JobStore.agent_pass_write`: its own beat and its ranks' changed heartbeats). Until every
-    agent has beaten once, a pass reads key by key instead.
+    agent has beaten once, a pass reads key by key instead. Between store passes, :meth:`glance`
+    reads the local ranks' beats off the board alone.
     """
 
     def __init__(
@@ -65,6 +72,9 @@ class StoreLook:
         self._ready = False  # every key a pass reads exists: one multi_get reads them all
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
         self._published: dict[int, Heartbeat] = {}  # rank -> the beat the store holds for it
+        self._last: Look | None = None  # the last store pass's reading
+        self._last_at = float("-inf")  # when it began (monotonic)
+        self._beat_at = float("-inf")  # when this agent last beat (monotonic)
         # The node's beat count goes on from where an earlier agent of the node left it: a standby's
         # claim names the count the node fell silent at, which must not come back.
         earlier = store.agent_heartbeat(node)
@@ -78,6 +88,7 @@ class StoreLook:
         pass go to the store with the agent's beat, for readers on other nodes); without, from the
         store."""
         store = self.store
+        self._last_at = time.monotonic()
         if not self._ready:
             self._ready = store.agent_pass_ready(self.node, self._others)
         if self._ready:
@@ -103,12 +114,39 @@ class StoreLook:
                 self._node_beats[node] = (count, now)
             elif now - seen[1] > self.node_timeout_s:
                 silent.append((node, node_gen))
-        return Look(owned, giveup, current, beats, tuple(silent))
+        self._last = Look(owned, giveup, current, beats, tuple(silent))
+        return self._last
+
+    def since_pass(self) -> float:
+        """Seconds since the last :meth:`look` began (infinity before the first)."""
+        return time.monotonic() - self._last_at
+
+    def since_beat(self) -> float:
+        """Seconds since this agent last beat, in a :meth:`look` or a :meth:`beat` (infinity before)."""
+        return time.monotonic() - self._beat_at
+
+    def glance(self, local_ranks: Sequence[int]) -> Look | None:
+        """The node's side of a pass, without a store request: ``local_ranks``' beats read off the
+        board now, with what the last :meth:`look` read of the job (``owned``, ``giveup``,
+        ``current``, ``silent_nodes``). Without a board, the beats the last look read from the store.
+        None when only a store pass can answer: before the first :meth:`look`, or without a board
+        for a rank the last look did not read."""
+        last = self._last
+        if last is None:
+            return None
+        if self.board is None:
+            if any(rank not in last.beats for rank in local_ranks):
+                return None
+            beats = {rank: last.beats[rank] for rank in local_ranks}
+        else:
+            beats, _ = self._board_beats(local_ranks)
+        return Look(last.owned, last.giveup, last.current, beats, last.silent_nodes)
 
     def beat(self, gen: int, changed: Mapping[int, Heartbeat] | None = None) -> None:
         """This agent's beat in ``gen`` (raising the node's beat count) and ``changed`` rank heartbeats,
         in one request."""
         self._count += 1
+        self._beat_at = time.monotonic()
         self.store.agent_pass_write(self.node, gen, self._count, changed or {})
         if changed:
             self._published.update(changed)

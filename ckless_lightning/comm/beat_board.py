@@ -5,20 +5,27 @@ requests per rank per step at the one store of the whole job (issue #31); the bo
 write to memory its node agent reads. The agent publishes its node's beats to the store itself, in
 one ``multi_set`` per supervision pass for all of them, with its own beat
 (:meth:`~ckless_lightning.comm.JobStore.agent_pass_write`), for the readers on other nodes (a join
-barrier, a standby replica).
+barrier, a standby replica). A rank's position (``recovery/where.py``: ``running``, ``peers``...,
+each second it changes) goes on the board too; its one reader is the node's agent (the hang blame),
+so it never reaches the store.
 
 Layout: one anonymous memory file (``memfd``) the agent creates; no name in ``/dev/shm``, so a killed
 agent leaves nothing behind. Ranks open it as ``/proc/<agent pid>/fd/<fd>`` (the agent's open file,
-``CKLESS_BEAT_BOARD``), slot = local rank. A slot holds two records, one per writer: the rank's
-beats and the agent's (the beat it writes when it starts a rank, and the fresh hang clock it gives
-every live rank when a recovery begins). A read returns the later of the two by time (one clock:
-both writers are on this node), which is what the store's last-writer-wins key gave.
+``CKLESS_BEAT_BOARD``), slot = local rank. A slot holds three records, one per writer:
+
+- the rank's beats (its heartbeat callback and recovery session, in its main thread);
+- the agent's beats (the beat it writes when it starts a rank, and the fresh hang clock it gives
+  every live rank when a recovery begins);
+- the rank's position (its ``WhereReporter`` thread; :meth:`BeatBoard.read_where`).
+
+A heartbeat read returns the later of the two beat records by time (one clock: both writers are on
+this node), which is what the store's last-writer-wins key gave.
 
 Each record is a sequence lock: the writer makes the counter odd, writes, makes it even; a reader
 retries while the counter is odd or moved. One writer per record, so no lock between processes.
 Python gives no memory fences, and a weakly ordered CPU (Arm: Grace) may show another core's stores
-out of order, so the record also carries the CRC-32 of its beat: a reader takes only a beat whose
-checksum matches (else it reads again), never a torn one.
+out of order, so the record also carries the CRC-32 of its payload: a reader takes only a payload
+whose checksum matches (else it reads again), never a torn one.
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ from typing import Protocol
 
 from ckless_lightning.comm.store import Heartbeat
 
-__all__ = ["BeatBoard", "BoardBeats", "HeartbeatWriter"]
+__all__ = ["BeatBoard", "BoardBeats", "HeartbeatWriter", "WhereWriter"]
 
-_RECORD = 128  # bytes: sequence (u64), length (u32), CRC-32 of the beat (u32), the encoded beat
+_RECORD = 128  # bytes: sequence (u64), length (u32), CRC-32 of the payload (u32), the payload
 _HEADER = struct.Struct("<QII")
 _PAYLOAD = _RECORD - _HEADER.size
-_SLOT = 2 * _RECORD  # the rank's record, then the agent's
+# A slot's records, by offset in the slot: the rank's beats, the agent's beats, the rank's position.
+_RANK_BEAT, _AGENT_BEAT, _WHERE = 0, _RECORD, 2 * _RECORD
+_SLOT = 3 * _RECORD
 _READ_TRIES = 100  # a torn read is retried; a writer holds a record for microseconds
 
 
@@ -46,12 +55,20 @@ class HeartbeatWriter(Protocol):
     def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None: ...
 
 
+class WhereWriter(Protocol):
+    """Where a rank's position goes (``recovery/where.py``): its slot of the node's board
+    (:class:`BoardBeats`), or with ``agent.local_beats=false`` the
+    :class:`~ckless_lightning.comm.JobStore`."""
+
+    def set_rank_where(self, rank: int, where: str) -> None: ...
+
+
 class BeatBoard:
     """Heartbeat slots shared by a node agent and its ranks (see the module docstring).
 
     :meth:`create` (the agent) or :meth:`open` (a rank); :meth:`close` when done. Not thread-safe for
-    two writers of one record: a rank writes only its own slot's rank record, the agent only agent
-    records.
+    two writers of one record: a rank's main thread writes only its own slot's beat record, its
+    ``WhereReporter`` thread only that slot's position record, the agent only agent records.
     """
 
     def __init__(self, fd: int, slots: int, *, owned: bool) -> None:
@@ -94,9 +111,28 @@ class BeatBoard:
 
     def write(self, slot: int, beat: Heartbeat, *, by_agent: bool = False) -> None:
         """Write ``beat`` into ``slot``: its rank's record, or with ``by_agent`` the agent's."""
-        payload = beat.encode().encode()
+        self._write_record(slot, _AGENT_BEAT if by_agent else _RANK_BEAT, beat.encode().encode())
+
+    def read(self, slot: int) -> Heartbeat | None:
+        """The later of ``slot``'s two beat records (None: neither was ever written, or reads whole)."""
+        raws = (self._read_record(slot, _RANK_BEAT), self._read_record(slot, _AGENT_BEAT))
+        beats = [Heartbeat.parse(raw) for raw in raws if raw is not None]
+        return max(beats, key=lambda b: b.time) if beats else None
+
+    def write_where(self, slot: int, where: str) -> None:
+        """Write ``slot``'s rank's position (a word of ``recovery/where.py``: ``running``, ``peers``...);
+        only that rank's ``WhereReporter`` thread writes it."""
+        self._write_record(slot, _WHERE, where.encode())
+
+    def read_where(self, slot: int) -> str | None:
+        """``slot``'s rank's last position; None: never written, or its writer died mid-write."""
+        raw = self._read_record(slot, _WHERE)
+        return None if raw is None else raw.decode()
+
+    def _write_record(self, slot: int, record: int, payload: bytes) -> None:
+        """Write ``payload`` into ``slot``'s record at ``record`` under its sequence lock."""
         assert 0 <= slot < self.slots and len(payload) <= _PAYLOAD, (slot, payload)
-        offset = slot * _SLOT + (_RECORD if by_agent else 0)
+        offset = slot * _SLOT + record
         (seq,) = struct.unpack_from("<Q", self._map, offset)
         seq += seq & 1  # a writer killed mid-write left it odd: go on from the next even value
         struct.pack_into("<Q", self._map, offset, seq + 1)
@@ -104,12 +140,11 @@ class BeatBoard:
         struct.pack_into("<II", self._map, offset + 8, len(payload), zlib.crc32(payload))
         struct.pack_into("<Q", self._map, offset, seq + 2)
 
-    def read(self, slot: int) -> Heartbeat | None:
-        """The later of ``slot``'s two records (None: neither was ever written)."""
-        beats = [b for b in (self._read_record(slot * _SLOT), self._read_record(slot * _SLOT + _RECORD)) if b]
-        return max(beats, key=lambda b: b.time) if beats else None
-
-    def _read_record(self, offset: int) -> Heartbeat | None:
+    def _read_record(self, slot: int, record: int) -> bytes | None:
+        """The payload of ``slot``'s record at ``record``, whole and as one write left it; None: never
+        written, or no consistent read in :data:`_READ_TRIES` tries."""
+        assert 0 <= slot < self.slots, slot
+        offset = slot * _SLOT + record
         for _ in range(_READ_TRIES):
             before, length, crc = _HEADER.unpack_from(self._map, offset)
             if before == 0:
@@ -117,9 +152,9 @@ class BeatBoard:
             raw = self._map[offset + _HEADER.size : offset + _HEADER.size + min(length, _PAYLOAD)]
             (after,) = struct.unpack_from("<Q", self._map, offset)
             if before == after and not before & 1 and zlib.crc32(raw) == crc:
-                return Heartbeat.parse(raw)
+                return raw
         # Odd (or torn) for 100 reads: its writer died or was stopped in the middle of a write (a
-        # SIGKILL between two stores); its last beat is lost, which is what a dead rank's silence means.
+        # SIGKILL between two stores); its last payload is lost, which is what a dead rank's silence means.
         return None
 
     def close(self) -> None:
@@ -128,9 +163,10 @@ class BeatBoard:
 
 
 class BoardBeats:
-    """A rank's heartbeat writer on its node's board: the ``set_rank_heartbeat`` a
+    """A rank's writer on its node's board: the ``set_rank_heartbeat`` and ``set_rank_where`` a
     :class:`~ckless_lightning.comm.JobStore` has, for :class:`~ckless_lightning.training.callbacks.
-    heartbeat.HeartbeatCallback` and the recovery session (``rank`` must be this rank)."""
+    heartbeat.HeartbeatCallback`, the recovery session and the rank's ``WhereReporter`` (``rank``
+    must be this rank; beats from one thread, positions from another)."""
 
     def __init__(self, board: BeatBoard, *, rank: int, slot: int) -> None:
         self.board = board
@@ -140,3 +176,7 @@ class BoardBeats:
     def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
         assert rank == self.rank, (rank, self.rank)
         self.board.write(self.slot, beat)
+
+    def set_rank_where(self, rank: int, where: str) -> None:
+        assert rank == self.rank, (rank, self.rank)
+        self.board.write_where(self.slot, where)

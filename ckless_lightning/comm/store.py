@@ -24,6 +24,9 @@ key                                value                                        
 ``announced/<g>``                  counter: the first to move the job to ``g`` announces it    advancer
 ``gen<g>/moved/<rank>``            the job left ``g``: wakes ``rank``'s generation watch         advancer
                                    (or the rank itself, to release its own watch)
+``gen<g>/moved/agents``            the job left ``g`` (set with the ranks' keys, in one        advancer,
+                                   request) or gave up in it: wakes every node agent's move    agent, rank
+                                   watch; or, the job over, an agent releasing its own watch
 ``giveup``                         the reason the job stops for good, set once (``""``, as the  agent
                                    host creates it: not given up)
 ``giveup_code``                    the exit code that goes with it (absent: 75, requeue)       agent
@@ -31,8 +34,11 @@ key                                value                                        
                                    beats into its node's board, the agent publishes them each  with
                                    pass; with ``agent.local_beats=false`` the rank, each step) local_beats
                                                                                                off)
-``where/<rank>``                   tiers 3-4: where the rank's main thread is, each second     rank
-                                   (``peers``: waiting in a collective, ``running``, ``data``)
+``where/<rank>``                   tiers 3-4, only with ``agent.local_beats=false`` (else the  rank
+                                   rank's slot of its node's board, which its agent reads):
+                                   where the rank's main thread is, each second it changes
+                                   (``peers``: waiting in a collective, ``running``, ``data``,
+                                   ``device``)
 ``agent/<node>``                   the generation each agent is in                             agent
 ``agent/<node>/beats``             count each agent raises per pass (liveness, no clocks)     agent
 ``owner/<node>``                   the agent now acting as ``node`` (a standby takes it over)  agent
@@ -42,6 +48,9 @@ key                                value                                        
 ``done/<g>/<node>``                a node's ranks all finished in generation ``g``             agent
 ``member/<rank>``                  the generation the rank's current process belongs to        agent, rank
 ``gen<g>/joined``                  tiers 3-4: counter of ranks that joined ``g`` (barrier)     rank
+``gen<g>/open``                    tiers 3-4: ``g``'s barrier is full (set by the rank that     rank,
+                                   filled it) or will never be (the move from ``g``, a give-up  advancer,
+                                   or a finished rank in ``g``): ends the waits in the barrier  agent
 ``gen<g>/active``                  elastic: the job ranks training in ``g`` (``0,1,4,5``), set  rank
                                    once: by a resize before ``g`` exists, else at the first
                                    join (the previous generation's set)
@@ -265,7 +274,8 @@ class JobStore:
         same fault therefore make one new generation, not several; ``announce``
         is called with the new generation by the first caller only, job-wide.
         Every caller that finds the job at ``seen + 1`` also wakes the generation
-        watches of ``seen``'s ``world_size`` ranks (one request; see :meth:`wait_moved`).
+        watches of ``seen``'s ``world_size`` ranks and every node agent's move watch (one request;
+        see :meth:`wait_moved` and :meth:`wait_agents_moved`).
         ``restart=False`` (an elastic resize, not a fault): the new generation does not count
         against the restart budget.
         """
@@ -273,7 +283,12 @@ class JobStore:
         if current == seen + 1:
             if restart:
                 self._tcp.set(f"restart/{seen + 1}", f"{time.time():.6f}")
-            self._tcp.multi_set([f"gen{seen}/moved/{r}" for r in range(world_size)], ["1"] * world_size)
+            wake = [
+                *(f"gen{seen}/moved/{r}" for r in range(world_size)),
+                f"gen{seen}/moved/agents",
+                f"gen{seen}/open",  # ranks waiting in its join barrier: it will never fill
+            ]
+            self._tcp.multi_set(wake, ["1"] * len(wake))
             if self._tcp.add(f"announced/{current}", 1) == 1 and announce is not None:
                 announce(current)
         return current
@@ -282,20 +297,39 @@ class JobStore:
         """Block until ``rank``'s wake key of generation ``gen`` exists (the job left ``gen``, or
         :meth:`release_watch`); False after ``timeout_s``. One pending request, no polling: use a
         client of its own (:meth:`another_client`), as it holds the connection while it waits."""
+        return self._wait_key(f"gen{gen}/moved/{rank}", timeout_s)
+
+    def release_watch(self, gen: int, rank: int) -> None:
+        """End ``rank``'s :meth:`wait_moved` on ``gen`` (the rank leaves or ends that generation)."""
+        self._tcp.set(f"gen{gen}/moved/{rank}", "1")
+
+    def wait_agents_moved(self, gen: int, *, timeout_s: float) -> bool:
+        """Block until the node agents' wake key of generation ``gen`` exists (the job left ``gen``:
+        :meth:`advance_generation` sets it with the ranks' keys; or gave up in it: :meth:`give_up`;
+        or :meth:`release_agents_watch`); False after ``timeout_s``. One pending request, no polling:
+        use a client of its own (:meth:`another_client`), as it holds the connection while it waits."""
+        return self._wait_key(f"gen{gen}/moved/agents", timeout_s)
+
+    def _wait_key(self, key: str, timeout_s: float) -> bool:
+        """Block until ``key`` exists; False after ``timeout_s`` (any other store error raises)."""
         try:
-            self._tcp.wait([f"gen{gen}/moved/{rank}"], timedelta(seconds=timeout_s))
+            self._tcp.wait([key], timedelta(seconds=timeout_s))
         except DistStoreError as err:
             if "timeout" not in str(err):
                 raise
             return False
         return True
 
-    def release_watch(self, gen: int, rank: int) -> None:
-        """End ``rank``'s :meth:`wait_moved` on ``gen`` (the rank leaves or ends that generation)."""
-        self._tcp.set(f"gen{gen}/moved/{rank}", "1")
+    def release_agents_watch(self, gen: int) -> None:
+        """End every :meth:`wait_agents_moved` on ``gen`` as if the job had left it. Only once the job
+        is over for every agent (every node done, or given up; or the store closes with the agent
+        that hosts it), so that no agent acts on a move that did not happen: the agents' watches
+        end before they leave, and none waits on a connection the store closes."""
+        self._tcp.set(f"gen{gen}/moved/agents", "1")
 
     def another_client(self) -> JobStore:
-        """A second connection to the same store (for a thread that blocks in :meth:`wait_moved`)."""
+        """A second connection to the same store (for a thread that blocks in :meth:`wait_moved` or
+        :meth:`wait_agents_moved`)."""
         return JobStore(
             connect_store(self._server.host, self._server.port, is_master=False), secret=self._secret
         )
@@ -328,12 +362,16 @@ class JobStore:
     # -- giving up ---------------------------------------------------------
     def give_up(self, reason: str, *, code: int | None = None) -> None:
         """Stop the job for good, for ``reason``; ``code``: the exit code every agent ends with
-        (None: the fault budget's). The first reason stands."""
+        (None: the fault budget's). The first reason stands. Wakes every node agent's move watch
+        (:meth:`wait_agents_moved`), so that each agent reads the reason at once, not at its next
+        store pass (an agent that left first would take the store with it)."""
         assert reason, "a job is given up for a reason"
         if self.giveup_reason() is None:
             if code is not None:
                 self._tcp.set("giveup_code", str(code))
             self._tcp.compare_set("giveup", "", reason)  # the first reason stands
+            gen = self.generation()  # wake the agents' move watches and the ranks in its join barrier
+            self._tcp.multi_set([f"gen{gen}/moved/agents", f"gen{gen}/open"], ["1", "1"])
 
     def giveup_code(self) -> int | None:
         """The exit code given with the reason the job was given up (None: the fault budget's)."""
@@ -348,10 +386,14 @@ class JobStore:
         self._tcp.set(f"hb/{rank}", beat.encode())
 
     def set_rank_where(self, rank: int, where: str) -> None:
+        """``rank``'s main-thread position (``recovery/where.py``), with ``agent.local_beats=false``
+        only: else it goes to the node's heartbeat board (``BoardBeats.set_rank_where``)."""
         self._tcp.set(f"where/{rank}", where)
 
     def rank_where(self, ranks: list[int]) -> dict[int, str]:
-        """Where each of ``ranks`` last said its main thread was; ranks that never said are left out."""
+        """Where each of ``ranks`` last said its main thread was; ranks that never said are left out
+        (with ``agent.local_beats=true`` every rank does: the agent reads its board instead,
+        ``NodeAgent.local_where``)."""
         present = [r for r in ranks if self._tcp.check([f"where/{r}"])]
         values = self._tcp.multi_get([f"where/{r}" for r in present]) if present else []
         return {r: raw.decode() for r, raw in zip(present, values, strict=True)}
@@ -461,12 +503,23 @@ class JobStore:
         return self._tcp.check([f"started/{gen}/{node}"])
 
     # -- the join barrier (tiers 3-4) ----------------------------------------
-    def join(self, gen: int) -> int:
-        """Count this rank into generation ``gen``; returns how many joined so far."""
-        return self._tcp.add(f"gen{gen}/joined", 1)
+    def join(self, gen: int, expected: int) -> int:
+        """Count this rank into generation ``gen``'s join barrier of ``expected`` ranks; returns how
+        many joined so far. The rank that fills it opens it (``gen<g>/open``), which ends every
+        :meth:`wait_barrier` on it."""
+        joined = self._tcp.add(f"gen{gen}/joined", 1)
+        if joined >= expected:
+            self._tcp.set(f"gen{gen}/open", "1")
+        return joined
 
     def joined(self, gen: int) -> int:
         return self._tcp.add(f"gen{gen}/joined", 0)
+
+    def wait_barrier(self, gen: int, *, timeout_s: float) -> bool:
+        """Block until generation ``gen``'s join barrier opens: filled (:meth:`join`), or left behind
+        (:meth:`advance_generation` opens it as the job leaves ``gen``); False after ``timeout_s``.
+        One pending request, no polling."""
+        return self._wait_key(f"gen{gen}/open", timeout_s)
 
     # -- elastic membership (tier 4, elastic.enabled) -----------------------
     def active_ranks(self, gen: int, world_size: int) -> tuple[int, ...]:
@@ -563,9 +616,11 @@ class JobStore:
 
     # -- completion ---------------------------------------------------------
     def mark_rank_finished(self, rank: int) -> None:
-        """``rank`` trained to the end and passed its last collective (the final save included)."""
+        """``rank`` trained to the end and passed its last collective (the final save included). Opens
+        the current generation's join barrier: a rank waiting in it learns the job is over."""
         self._tcp.set(f"finished/{rank}", "1")
         self._tcp.add("finished", 1)
+        self._tcp.set(f"gen{self.generation()}/open", "1")
 
     def rank_finished(self, rank: int) -> bool:
         return self._tcp.check([f"finished/{rank}"])

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ckless_lightning.comm import Generation, GenerationChanged, JobStore
-from ckless_lightning.comm.beat_board import HeartbeatWriter
+from ckless_lightning.comm.beat_board import BoardBeats, HeartbeatWriter
 from ckless_lightning.models import resolve_mesh
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import reset_peak_rss, rss_bytes
@@ -148,9 +148,12 @@ class InProcessRecovery:
         self.events = events
         self.faults = faults
         self.beats: HeartbeatWriter = self.store if beats is None else beats
+        # What a waiting step vote blocks in, and the join barrier between generations (never both)
+        self._vote_waiter = self.store.another_client()
         self.session = GenerationSession(
             self.store,
             beats=self.beats,
+            waiter=self._vote_waiter,
             rank=self.rank,
             world_size=generation.world_size,
             generation=generation.number,
@@ -173,7 +176,6 @@ class InProcessRecovery:
         self.recoveries = 0
         self.watch: GenerationWatch | None = None  # frees this rank if it stays in a generation left behind
         self._waiter: JobStore | None = None  # the store connection the watches block in
-        self._vote_waiter: JobStore | None = None  # the one a waiting step vote blocks in
         self.commit: StepCommit | None = None  # the current generation's vote (its cost: wait_s, votes)
         self.vote_s = 0.0
         self.vote_cpu_s = 0.0
@@ -240,7 +242,9 @@ class InProcessRecovery:
         generation: a fault during it is recovered like one during a step. On return this rank
         passed its last collective, and the job store says so (``JobStore.mark_rank_finished``).
         """
-        where = WhereReporter(self.store, self.rank, device_busy=self.device_busy)  # the agent's hang blame
+        # The agent's hang blame: to the node's board with the beats (agent.local_beats), else the store
+        writer = self.beats if isinstance(self.beats, BoardBeats) else self.store
+        where = WhereReporter(writer, self.rank, device_busy=self.device_busy)
         where.start()
         try:
             trainer = self._fit(
@@ -368,8 +372,6 @@ class InProcessRecovery:
     def _strategy(self, gen: Generation, resume: str | Path | None) -> CheckpointlessStrategy:
         """Generation ``gen``'s strategy, handed the vote, the leave hook and (tier 4) the memory restore;
         ``resume`` is what its ``fit`` restores from (weights are then not initialized)."""
-        if self._vote_waiter is None:
-            self._vote_waiter = self.store.another_client()
         self.commit = StepCommit(
             gen,
             digest=self.digest,

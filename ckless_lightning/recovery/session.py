@@ -28,7 +28,12 @@ from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 
 __all__ = ["GenerationSession", "JobFinished", "JobGaveUp", "StandbyEnded"]
 
-_BEAT_S = 1.0  # heartbeat refresh while waiting in the barrier
+_BEAT_S = 1.0  # heartbeat refresh while a standby rank waits
+# The join barrier's look (beat, give-up, finished job, elastic shrink) between its waits in the
+# store: the store wakes the wait for anything that ends it; a wait that times out is logged by
+# c10d (two warning lines), so not every second.
+_BARRIER_LOOK_S = 5.0
+_REWAKE_S = 0.05  # a barrier found open but not full, with no reason seen yet: look again after
 _STANDBY_POLL_S = 0.05  # a standby rank's look at the job's generation and its replica
 
 
@@ -63,6 +68,8 @@ class GenerationSession:
     """This rank's view of the generations. Not thread-safe; one per rank process.
 
     ``beats``: where this rank's heartbeats go (its slot of the node agent's board; None: ``store``).
+    ``waiter``: a store client of this rank's own that the join barrier blocks in (it holds its
+    connection while it waits; None: ``store``).
     ``completed_step`` is the last optimizer step this rank completed (-1 until known); it goes into
     the heartbeats written while waiting, so the agent sees a live rank. ``active`` is the set of job
     ranks training in the generation last joined (all of them unless ``elastic``).
@@ -81,8 +88,10 @@ class GenerationSession:
         elastic: ElasticPolicy | None = None,
         on_standby: Callable[[int], None] | None = None,
         beats: HeartbeatWriter | None = None,
+        waiter: JobStore | None = None,
     ) -> None:
         self.store = store
+        self.waiter = store if waiter is None else waiter
         self.beats: HeartbeatWriter = store if beats is None else beats  # the node's board, or the store
         self.rank = rank
         self.world_size = world_size
@@ -134,7 +143,7 @@ class GenerationSession:
             if self.rank not in active:
                 self._stand_by(current, active)
                 continue
-            joined = self.store.join(current)
+            joined = self.store.join(current, len(active))
             try:
                 self._wait_for_all(joined, current, active)
             except GenerationChanged:
@@ -149,16 +158,24 @@ class GenerationSession:
         return self.store.active_ranks(gen, self.world_size)
 
     def _wait_for_all(self, joined: int, gen: int, active: tuple[int, ...]) -> None:
-        pause = 1e-4
-        next_beat = 0.0
-        start = time.monotonic()
-        deadline = start + self.join_timeout_s
+        """Until ``active`` all joined ``gen``: blocked in the store until the barrier opens. Whatever
+        ends a barrier opens it: the last rank to join (:meth:`JobStore.join`), a move from ``gen``
+        (:meth:`JobStore.advance_generation`), a give-up, a rank that finished the job. Between waits
+        the rank beats and looks for a give-up, a finished job and (elastic) a lost rank: when woken,
+        and every :data:`_BARRIER_LOOK_S` (``agent.replace_timeout`` if shorter, elastic). A few
+        requests per rank and recovery, not a poll every few milliseconds (issue #31)."""
+        look_s = _BARRIER_LOOK_S
+        if self.elastic is not None:
+            look_s = min(look_s, self.elastic.replace_timeout_s)
+        next_look = time.monotonic()
+        deadline = next_look + self.join_timeout_s
         silent = _SilentRanks()
+        woke = False
         while joined < len(active):
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 self._give_up_joining(gen, joined, active)
-            now = time.time()
-            if now >= next_beat:
+            if woke or now >= next_look:
                 self.beat_recovering(gen)
                 reason = self.store.giveup_reason()
                 if reason is not None:
@@ -167,12 +184,14 @@ class GenerationSession:
                     raise JobFinished(f"rank {self.rank}: the job finished while it joined generation {gen}")
                 if self.elastic is not None:
                     self._shrink_if_lost(gen, active, silent)
-                next_beat = now + _BEAT_S
+                next_look = now + look_s
             current = self.store.generation()
             if current != gen:
                 raise GenerationChanged(gen, current, "joining")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            if woke:  # open, not full, and no reason seen yet (its writer's next request is on its way)
+                time.sleep(_REWAKE_S)
+            wait_s = max(min(next_look, deadline) - time.monotonic(), 1e-3)
+            woke = self.waiter.wait_barrier(gen, timeout_s=wait_s)
             joined = self.store.joined(gen)
 
     # -- elastic -------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ heartbeat names a random rank, and at tiers 3-4 killing an innocent one costs
 its redundancy and a second recovery once the hung one is found. A
 :class:`WhereReporter` thread samples the innermost Python frame of the rank's
 main thread (``sys._current_frames``, which CPython documents for this kind of
-use) and writes a word to the job store:
+use) and writes a word where its node agent reads it: the rank's slot of the node's
+heartbeat board (``comm/beat_board.py``, shared memory: no store request), or with
+``agent.local_beats=false`` the job store's ``where/<rank>``:
 
 - ``peers``: in ``torch.distributed`` (a collective, a p2p wait, process-group
   formation), or in this project's own waits on peers (the commit vote, the join
@@ -33,7 +35,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-from ckless_lightning.comm import JobStore
+from ckless_lightning.comm.beat_board import WhereWriter
 
 __all__ = ["WhereReporter", "cuda_busy", "where_is"]
 
@@ -75,18 +77,25 @@ def cuda_busy(device: int) -> Callable[[], bool]:
 
 
 class WhereReporter:
-    """Writes ``rank``'s main-thread position to ``store`` every ``interval_s``; ``start`` once,
-    ``stop`` at the end of training (returns at once: the thread waits on an event)."""
+    """Writes ``rank``'s main-thread position to ``writer`` every ``interval_s`` when it changed;
+    ``start`` once, ``stop`` at the end of training (returns at once: the thread waits on an event).
+
+    ``writer``: the rank's :class:`~ckless_lightning.comm.beat_board.BoardBeats` (its slot of the
+    node's board), or the :class:`~ckless_lightning.comm.JobStore` (``agent.local_beats=false``). A
+    store that stops answering (``RuntimeError``) ends the thread with a line on stderr: the main
+    thread finds out on its own. A board write does not fail in normal operation; if one raises, the
+    thread ends with its traceback.
+    """
 
     def __init__(
         self,
-        store: JobStore,
+        writer: WhereWriter,
         rank: int,
         *,
         interval_s: float = 1.0,
         device_busy: Callable[[], bool] | None = None,
     ) -> None:
-        self.store = store
+        self.writer = writer
         self.rank = rank
         self.interval_s = interval_s
         self.device_busy = device_busy  # None: no accelerator (CPU ranks)
@@ -114,9 +123,9 @@ class WhereReporter:
         while not self._stop.wait(self.interval_s):
             where = self.sample()
             if where == self._last:
-                continue  # unchanged: the key still says it
+                continue  # unchanged: the record still says it
             try:
-                self.store.set_rank_where(self.rank, where)
+                self.writer.set_rank_where(self.rank, where)
             except RuntimeError as err:  # the store is gone: the main thread finds out on its own
                 print(f"rank {self.rank}: cannot report where it is ({err})", file=sys.stderr)
                 return

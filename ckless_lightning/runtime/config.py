@@ -234,6 +234,11 @@ class AgentConfig:
     for Slurm or Kubernetes to requeue it. ``replace_timeout`` (elastic jobs,
     ``elastic.enabled``): how long the job waits for a lost rank's replacement before
     it goes on without that rank's replica.
+
+    The agent looks at its node (exit codes, its ranks' heartbeats) every ``monitor_interval``
+    and goes to the job store (its own beat, the job's generation and give-up, the other agents'
+    beats) every ``store_interval``, at most ``node_timeout / 3`` so that a live node's beats are
+    seen well within ``node_timeout``; a generation move wakes it at once.
     """
 
     spares: int = 0
@@ -247,6 +252,7 @@ class AgentConfig:
     max_restarts: int = 3
     restart_window_s: float = 3600.0
     monitor_interval: float = 0.1
+    store_interval: float = 1.0
     stop_grace_s: float = 10.0
     replace_timeout: float = 60.0
 
@@ -263,12 +269,20 @@ class AgentConfig:
             "node_timeout",
             "restart_window_s",
             "monitor_interval",
+            "store_interval",
             "replace_timeout",
         ):
             if getattr(self, key) <= 0:
                 raise ValueError(
                     f"agent.{key} must be a positive number of seconds, got {getattr(self, key)}"
                 )
+        if self.store_interval > self.node_timeout / 3:
+            raise ValueError(
+                f"agent.store_interval={self.store_interval:g} must be at most agent.node_timeout/3 = "
+                f"{self.node_timeout / 3:.2f} s (an agent beats once per store_interval, and another node "
+                "is declared lost after node_timeout without beats): lower agent.store_interval or raise "
+                f"agent.node_timeout to at least {3 * self.store_interval:g}"
+            )
         if self.stop_grace_s < 0:
             raise ValueError(f"agent.stop_grace_s must be >= 0 seconds, got {self.stop_grace_s}")
 
