@@ -113,6 +113,23 @@ def left_behind_ranks(run_dir: Path) -> set[int]:
     return ranks
 
 
+def uncut_ranks(run_dir: Path) -> set[int]:
+    """Ranks a generation watch cut because the job moved on without them, and that the cut did not
+    free: they exited left behind (:func:`left_behind_ranks`), or their agent killed them as hung
+    first (``agent.hang_timeout`` shorter than ``comm.stuck_exit_s``, as in test_tier3). The same
+    open gloo case (docs/troubleshooting.md); the product replaces such a rank and the run stays
+    bitwise, with one recovery no fault plan holds."""
+    from ckless_lightning.record.events import read_events
+
+    events = read_events(run_dir / "events.jsonl")
+    hung = {e["rank"] for e in events if e["kind"] == "fault_detected" and e.get("reason") == "hang"}
+    cut = set()
+    for log in (run_dir / "rank_logs").glob("rank*.log"):
+        if "after the job moved on: cutting its connections" in log.read_text(errors="replace"):
+            cut.add(int(log.stem.removeprefix("rank")))
+    return left_behind_ranks(run_dir) | (cut & hung)
+
+
 def rows_besides_left_behind(names: list[str], run_dir: Path) -> list[str]:
     """Fault row names without the ``exit(6)@r`` rows of ranks that exited left behind (their stacks
     are printed, for the record)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_utils import assert_same_run
-from conftest import launch_job
+from conftest import launch_job, left_behind_traces, uncut_ranks
 from test_agent import events_of, free_port, job_processes
 
 from ckless_lightning.record.summary import summarize_run
@@ -120,7 +120,13 @@ def test_fault_in_every_phase_recovers_in_process_bitwise(tmp_path, data_cache, 
     logs = "\n".join(
         f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((run / "rank_logs").glob("rank*.log"))
     )
-    assert summary.exit_code == 0 and len(summary.faults) == len(plan), (
+    # A rank the generation watch cut and could not free (the open gloo case,
+    # docs/troubleshooting.md) is replaced like a hung rank: its rows are no planned fault's.
+    uncut = uncut_ranks(run)
+    if uncut:
+        print(f"ranks {sorted(uncut)} were not freed by their cut:\n{left_behind_traces(run)}\n{logs}")
+    faults = [f for f in summary.faults if not (f.rank in uncut and f.injected_by is None)]
+    assert summary.exit_code == 0 and len(faults) == len(plan), (
         f"{summary.format()}\n{detected}\n{result.stderr[-3000:]}\n{logs}"
     )
     for fault in summary.faults:  # a recovery-phase fault supersedes, or joins, the recovery it hit
@@ -132,6 +138,8 @@ def test_fault_in_every_phase_recovers_in_process_bitwise(tmp_path, data_cache, 
         if fault_type in ("kill", "hang"):
             replaced[rank] += 1
     pids = pids_by_rank(run)
+    for rank in uncut:
+        replaced[rank] += 1
     for rank in range(4):
         assert len(pids[rank]) == 1 + replaced[rank], (rank, pids[rank], plan)
 
