@@ -417,7 +417,10 @@ class SimAgent(threading.Thread):
                     job.looks.append(time.perf_counter() - start)
                     gen = max(gen, look.current)
                 for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
-                    gen = self.store.advance_generation(gen, world_size=job.world)
+                    gen = max(gen, self.store.generation())
+                    # Only if no generation answered the death yet (its survivors may have moved on)
+                    if self.store.member(rank) >= gen:
+                        gen = self.store.advance_generation(gen, world_size=job.world)
                     self._first_beat(rank, gen)
                     self.store.set_member(rank, gen)
                     SimRank(job, rank, generation=gen, first_step=job.kill_step).start()
