@@ -7,35 +7,12 @@ import threading
 import time
 
 import pytest
+from store_counting import counted_client
 
 from ckless_lightning.comm import JobStore
 from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
 
 SECRET = "join-barrier-test-secret"
-
-
-class _Counting:
-    """A JobStore's TCPStore client that counts its requests."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str):
-        method = getattr(self.inner, name)
-
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            return method(*args, **kwargs)
-
-        return call
-
-
-def _counted(host: JobStore) -> tuple[JobStore, _Counting]:
-    store = host.another_client()
-    counting = _Counting(store._tcp)
-    store._tcp = counting  # type: ignore[assignment]
-    return store, counting
 
 
 @pytest.fixture
@@ -62,8 +39,8 @@ def _join_in_thread(session: GenerationSession) -> tuple[threading.Thread, dict]
 
 @pytest.mark.timeout(60)
 def test_a_waiting_rank_blocks_until_the_last_rank_opens_the_barrier(host):
-    store, counting = _counted(host)
-    waiter, waits = _counted(host)
+    store, counting = counted_client(host)
+    waiter, waits = counted_client(host)
     thread, out = _join_in_thread(_session(store, 0, waiter))
     time.sleep(2.5)  # rank 0 waits alone, blocked in the store: it does not poll
     assert thread.is_alive()
@@ -80,7 +57,7 @@ def test_a_waiting_rank_blocks_until_the_last_rank_opens_the_barrier(host):
 
 @pytest.mark.timeout(60)
 def test_a_move_from_the_generation_wakes_its_barrier_and_the_rank_joins_the_next(host):
-    store, _ = _counted(host)
+    store, _ = counted_client(host)
     thread, out = _join_in_thread(_session(store, 0, store.another_client()))
     time.sleep(0.5)
     assert thread.is_alive()
@@ -97,7 +74,7 @@ def test_a_move_from_the_generation_wakes_its_barrier_and_the_rank_joins_the_nex
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("end", ["give_up", "finished"])
 def test_a_give_up_or_a_finished_job_wakes_a_waiting_rank_at_once(host, end):
-    store, _ = _counted(host)
+    store, _ = counted_client(host)
     session = _session(store, 0, store.another_client())
     errors: dict = {}
 

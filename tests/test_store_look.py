@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from store_counting import counted_client
 
 from ckless_lightning.agent.move_watch import MoveWatch
 from ckless_lightning.agent.node_agent import NodeAgent
@@ -24,39 +25,10 @@ from ckless_lightning.runtime.config import AgentConfig, job_config_from_dict
 SECRET = "store-look-test-secret"
 
 
-class _CountingRequests:
-    """The store a JobStore talks through, counting each request by kind."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.calls: list[str] = []
-        self.times: list[float] = []  # monotonic, one per call
-
-    def __getattr__(self, name: str):
-        method = getattr(self.inner, name)
-
-        def call(*args, **kwargs):
-            self.calls.append(name)
-            self.times.append(time.monotonic())
-            return method(*args, **kwargs)
-
-        return call
-
-
 @pytest.fixture
 def host():
     store = JobStore.host("127.0.0.1", 0, secret=SECRET)
     yield store
-
-
-def _client(host: JobStore) -> tuple[JobStore, _CountingRequests]:
-    """A counted client; the host's writes so far are applied first (a TCPStore client sends a set
-    without waiting for a reply: a read on the same connection returns only after it was applied)."""
-    host.generation()
-    store = host.another_client()
-    counting = _CountingRequests(store._tcp)
-    store._tcp = counting  # type: ignore[assignment]
-    return store, counting
 
 
 @pytest.mark.parametrize("nnodes", [2, 64])
@@ -65,7 +37,7 @@ def test_a_pass_costs_one_read_and_one_write_at_any_node_count(host, nnodes):
         host.set_node_owner(node, f"agent-{node}")
         host.agent_pass_write(node, 0, 1, {})
     host.set_node_owner(0, "agent-0")
-    store, counting = _client(host)
+    store, counting = counted_client(host)
     look = StoreLook(store, node=0, nnodes=nnodes, node_timeout_s=30.0, agent_id="agent-0")
     look.look(0, [])  # the first pass finds every key: from now on one multi_get reads them
     counting.calls.clear()
@@ -77,7 +49,7 @@ def test_a_pass_costs_one_read_and_one_write_at_any_node_count(host, nnodes):
 
 def test_before_every_agent_beat_a_pass_reads_key_by_key_and_then_in_one_request(host):
     host.set_node_owner(0, "agent-0")
-    store, counting = _client(host)
+    store, counting = counted_client(host)
     look = StoreLook(store, node=0, nnodes=2, node_timeout_s=30.0, agent_id="agent-0")
     assert look.look(0, []).owned  # node 1's agent has not beaten: no multi_get would return
     assert "multi_get" not in counting.calls
@@ -143,7 +115,7 @@ def test_a_glance_reads_the_board_alone_with_the_last_passs_reading(host):
     board = BeatBoard.create(2)
     try:
         host.set_node_owner(0, "agent-0")
-        store, counting = _client(host)
+        store, counting = counted_client(host)
         look = StoreLook(
             store, node=0, nnodes=1, node_timeout_s=30.0, agent_id="agent-0", board=board, slots={0: 0, 1: 1}
         )
@@ -256,7 +228,7 @@ def _supervising_agent(compose, host: JobStore, lives: dict[int, float], *overri
         )
     )
     agent = NodeAgent(job, Path("unused.yaml"), prepared_path=None, secret=SECRET)
-    store, counting = _client(host)
+    store, counting = counted_client(host)
     agent._attach_store(store)
     store.set_node_owner(0, agent.agent_id)
     started: list[tuple[int, float]] = []

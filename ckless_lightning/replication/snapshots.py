@@ -222,7 +222,7 @@ class SnapshotCopies:
         if not self.copies_at(step):
             if self._sums is None or not self._sums.matches(tensors):
                 self._sums = TensorSums(tensors)
-            return self._remember(
+            return self.remember(
                 StateFingerprint(step, gen, self._sums.fingerprint(), loop_fingerprint(loop))
             )
         self.settle()
@@ -236,12 +236,15 @@ class SnapshotCopies:
         fingerprint = StateFingerprint(step, gen, own.buffer.fingerprint(), loop_fingerprint(loop))
         own.write_record(fingerprint)
         own.step, own.complete = step, True
-        return self._remember(fingerprint)
+        return self.remember(fingerprint)
 
-    def remember(self, fingerprint: StateFingerprint) -> None:
-        """``fingerprint`` is this rank's record of its state at ``fingerprint.step`` (a restored rank's
-        state, verified)."""
-        self._remember(fingerprint)
+    def remember(self, fingerprint: StateFingerprint) -> StateFingerprint:
+        """``fingerprint`` is this rank's record of its state at ``fingerprint.step`` (each recorded
+        step's, and a restored rank's state, verified); the last :attr:`fingerprint_ring` are kept."""
+        self.records[fingerprint.step] = fingerprint
+        while len(self.records) > self.fingerprint_ring:
+            del self.records[min(self.records)]
+        return fingerprint
 
     def exchange(self, step: int) -> None:
         """After :meth:`record` of a copy step: send the own copy of ``step`` to the buddy and receive
@@ -337,12 +340,6 @@ class SnapshotCopies:
         return sum(s.buffer.flat.numel() for s in [*self.own, *self.held])
 
     # -- internals -------------------------------------------------------------------------------------
-    def _remember(self, fingerprint: StateFingerprint) -> StateFingerprint:
-        self.records[fingerprint.step] = fingerprint
-        while len(self.records) > self.fingerprint_ring:
-            del self.records[min(self.records)]
-        return fingerprint
-
     def _ward_shapes(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Meta tensors shaped like the ward's shard, learned once per generation (from the ward).
 
