@@ -33,16 +33,27 @@ def store():
     del job_store
 
 
-def _form_groups(store: JobStore, ranks: list[int], world: int, timeout_s: float) -> dict[int, BaseException]:
-    """Ranks ``ranks`` of ``world`` form a gloo group in threads; returns what each raised."""
+def _form_groups(
+    store: JobStore, ranks: list[int], world: int, timeout_s: float
+) -> tuple[dict[int, BaseException], list[threading.Thread]]:
+    """Ranks ``ranks`` of ``world`` form a gloo group in threads; returns what each raised, and the threads.
+
+    A thread holds its group until every thread has formed or failed: a group dropped at once closes
+    its connections while a slower peer may still be reading its handshake on them (that peer then
+    fails with "Connection closed by peer", as it did once in CI).
+    """
     errors: dict[int, BaseException] = {}
+    all_done = threading.Barrier(len(ranks))
 
     def form(rank: int) -> None:
         bounded = store.process_group_store(0, init_timeout_s=timeout_s)
+        group = None
         try:
-            dist.ProcessGroupGloo(bounded, rank, world, timedelta(seconds=120))
+            group = dist.ProcessGroupGloo(bounded, rank, world, timedelta(seconds=120))
         except BaseException as err:
             errors[rank] = err
+        all_done.wait(timeout=timeout_s + 30)
+        del group
 
     threads = [threading.Thread(target=form, args=(r,)) for r in ranks]
     for t in threads:
