@@ -9,7 +9,7 @@ import time
 import pytest
 from store_counting import counted_client
 
-from ckless_lightning.comm import JobStore
+from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
 
 SECRET = "join-barrier-test-secret"
@@ -21,8 +21,20 @@ def host():
     yield store
 
 
-def _session(store: JobStore, rank: int, waiter: JobStore) -> GenerationSession:
-    return GenerationSession(store, rank=rank, world_size=2, generation=0, join_timeout_s=30.0, waiter=waiter)
+class _Board:
+    """The node's heartbeat board (local memory in the product): its beats are no store requests."""
+
+    def __init__(self) -> None:
+        self.beats: list[tuple[int, Heartbeat]] = []
+
+    def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
+        self.beats.append((rank, beat))
+
+
+def _session(store: JobStore, rank: int, waiter: JobStore, board: _Board | None = None) -> GenerationSession:
+    return GenerationSession(
+        store, rank=rank, world_size=2, generation=0, join_timeout_s=30.0, waiter=waiter, beats=board
+    )
 
 
 def _join_in_thread(session: GenerationSession) -> tuple[threading.Thread, dict]:
@@ -41,7 +53,8 @@ def _join_in_thread(session: GenerationSession) -> tuple[threading.Thread, dict]
 def test_a_waiting_rank_blocks_until_the_last_rank_opens_the_barrier(host):
     store, counting = counted_client(host)
     waiter, waits = counted_client(host)
-    thread, out = _join_in_thread(_session(store, 0, waiter))
+    board = _Board()
+    thread, out = _join_in_thread(_session(store, 0, waiter, board))
     time.sleep(2.5)  # rank 0 waits alone, blocked in the store: it does not poll
     assert thread.is_alive()
     late = host.another_client()
@@ -50,8 +63,32 @@ def test_a_waiting_rank_blocks_until_the_last_rank_opens_the_barrier(host):
     thread.join(timeout=10)
     assert out["gen"] == 0
     assert out["at"] - joined_at < 0.5  # woken by the store, not by its next look a second later
-    # 2.5 s of waiting: a handful of requests (a poll every 10 ms made some 250 a second)
-    assert len(counting.calls) + len(waits.calls) < 15, (counting.calls, waits.calls)
+    # 2.5 s of waiting: the generation read, its membership, the count, the wait and the count again
+    # (a poll every 10 ms made some 250 a second)
+    assert sorted(counting.calls) == ["add", "add", "add", "set"], counting.calls
+    assert waits.calls == ["wait"]
+    assert [beat.phase for _, beat in board.beats] == ["recovery"]  # to the board, for its agent
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_left_joins_the_generation_it_read_with_four_requests(host):
+    # After a fault: leave() reads the job's generation (and moves it on); join() counts the rank into
+    # that generation without reading it again. Four requests per rank and barrier, the wait included.
+    host.set_member(1, 0)
+    store, counting = counted_client(host)
+    waiter, waits = counted_client(host)
+    session = _session(store, 0, waiter, _Board())
+    assert session.leave() == 1  # it moved the job on: generation 1
+    counting.calls.clear()
+    thread, out = _join_in_thread(session)
+    time.sleep(0.5)
+    assert thread.is_alive()
+    late = host.another_client()
+    late_session = GenerationSession(late, rank=1, world_size=2, generation=1, join_timeout_s=30.0)
+    assert late_session.join() == 1
+    thread.join(timeout=10)
+    assert out["gen"] == 1
+    assert sorted(counting.calls) == ["add", "add", "set"], counting.calls  # count, count, membership
     assert waits.calls == ["wait"]
 
 

@@ -103,6 +103,7 @@ class GenerationSession:
         self.elastic = elastic
         self._on_standby = on_standby or (lambda gen: None)
         self.active: tuple[int, ...] = tuple(range(world_size))
+        self._just_read = False  # leave() just read the job's generation: join() need not again
 
     def beat_recovering(self, gen: int | None = None, phase: str = "recovery") -> None:
         """Tell the agent this rank is recovering (``agent.recovery_timeout`` applies, not hang_timeout)."""
@@ -122,6 +123,7 @@ class GenerationSession:
             )
         self._on_phase("generation_left", self.generation)
         self.generation = current
+        self._just_read = True
         return current
 
     def join(self) -> int:
@@ -136,7 +138,10 @@ class GenerationSession:
         raises :class:`StandbyEnded` if the job finishes meanwhile.
         """
         while True:
-            current = max(self.generation, self.store.generation())
+            # Right after leave() the generation it read is the one to join: one read fewer per rank
+            # and recovery. Should the job move on meanwhile, the move opens this barrier (below).
+            current = self.generation if self._just_read else max(self.generation, self.store.generation())
+            self._just_read = False
             self.generation = current
             self.store.set_member(self.rank, current)
             active = self._active(current)
@@ -162,15 +167,19 @@ class GenerationSession:
         ends a barrier opens it: the last rank to join (:meth:`JobStore.join`), a move from ``gen``
         (:meth:`JobStore.advance_generation`), a give-up, a rank that finished the job. Between waits
         the rank beats and looks for a give-up, a finished job and (elastic) a lost rank: when woken,
-        and every :data:`_BARRIER_LOOK_S` (``agent.replace_timeout`` if shorter, elastic). A few
-        requests per rank and recovery, not a poll every few milliseconds (issue #31)."""
+        and every :data:`_BARRIER_LOOK_S` (``agent.replace_timeout`` if shorter, elastic). Since each
+        of those ends opens the barrier, the first look waits for it: a rank whose barrier fills
+        makes three requests in it (count, wait, count), not a poll every few milliseconds (issue #31)."""
         look_s = _BARRIER_LOOK_S
         if self.elastic is not None:
             look_s = min(look_s, self.elastic.replace_timeout_s)
-        next_look = time.monotonic()
-        deadline = next_look + self.join_timeout_s
+        start = time.monotonic()
+        # An elastic barrier looks at once: its silence clock for a lost rank starts there.
+        next_look = start if self.elastic is not None else start + look_s
+        deadline = start + self.join_timeout_s
         silent = _SilentRanks()
         woke = False
+        self.beat_recovering(gen)
         while joined < len(active):
             now = time.monotonic()
             if now >= deadline:
@@ -184,10 +193,10 @@ class GenerationSession:
                     raise JobFinished(f"rank {self.rank}: the job finished while it joined generation {gen}")
                 if self.elastic is not None:
                     self._shrink_if_lost(gen, active, silent)
+                current = self.store.generation()
+                if current != gen:
+                    raise GenerationChanged(gen, current, "joining")
                 next_look = now + look_s
-            current = self.store.generation()
-            if current != gen:
-                raise GenerationChanged(gen, current, "joining")
             if woke:  # open, not full, and no reason seen yet (its writer's next request is on its way)
                 time.sleep(_REWAKE_S)
             wait_s = max(min(next_look, deadline) - time.monotonic(), 1e-3)

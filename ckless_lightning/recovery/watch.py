@@ -95,6 +95,7 @@ class GenerationWatch:
         self.fired = False
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
+        self._woken = False  # its wait in the store returned (or ended on a recheck)
         self._thread = threading.Thread(target=self._run, name=f"generation-watch-{generation}", daemon=True)
 
     def start(self) -> None:
@@ -103,7 +104,8 @@ class GenerationWatch:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self.store.release_watch(self.generation, self.rank)
+            if not self._woken:  # its wait still pends in the store: end it (once woken, the key is there)
+                self.store.release_watch(self.generation, self.rank)
             self._thread.join()
 
     def _run(self) -> None:
@@ -111,6 +113,7 @@ class GenerationWatch:
             while not self.waiter.wait_moved(self.generation, self.rank, timeout_s=self.recheck_s):
                 if self._stop.is_set() or self.waiter.generation() > self.generation:
                     break
+            self._woken = True
         except RuntimeError as err:  # the store is gone: the main thread finds out on its own
             print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
             return
