@@ -82,9 +82,9 @@ WHERE_INTERVAL_S = 1.0  # WhereReporter's interval
 
 
 class CountingStore(Store):
-    """A ``TCPStore`` client that counts the requests it sends (shared ``counts``, by kind)."""
+    """A ``TCPStore`` client that counts the requests it sends (into each of ``counts``, by kind)."""
 
-    def __init__(self, inner: TCPStore, counts: Counter[str], lock: threading.Lock) -> None:
+    def __init__(self, inner: TCPStore, counts: tuple[Counter[str], ...], lock: threading.Lock) -> None:
         super().__init__()
         self._inner = inner
         self._counts = counts
@@ -100,7 +100,8 @@ class CountingStore(Store):
 
     def _count(self, kind: str) -> None:
         with self._lock:
-            self._counts[kind] += 1
+            for counts in self._counts:
+                counts[kind] += 1
 
     def set(self, key: str, value: Any) -> None:
         self._count("set")
@@ -155,6 +156,10 @@ class Row:
     step_ms: float
     store_requests_per_rank_step: float
     store_requests_per_s: float
+    # The two halves of the steady state: what ranks send per step (the vote, beats to the store), and
+    # what node agents send per second (their store pass and move watch, per agent.store_interval).
+    rank_requests_per_rank_step: float
+    agent_requests_per_node_s: float
     requests_by_kind: dict[str, float]  # per rank-step, steady state
     vote_p50_s: float
     vote_p99_s: float
@@ -183,6 +188,7 @@ class Job:
     host: TCPStore = field(init=False)
     boards: dict[int, BeatBoard] = field(default_factory=dict)  # node -> its agent's heartbeat board
     counts: Counter[str] = field(default_factory=Counter)
+    agent_counts: Counter[str] = field(default_factory=Counter)  # the node agents' share of counts
     lock: threading.Lock = field(default_factory=threading.Lock)
     connections: int = 0
     votes: list[tuple[float, float]] = field(default_factory=list)  # (monotonic end, seconds)
@@ -214,16 +220,22 @@ class Job:
     def nodes(self) -> int:
         return self.world // self.per_node
 
-    def client(self) -> JobStore:
-        """A new counted connection to the job store (each rank has two, each agent one)."""
+    def client(self, *, agent: bool = False) -> JobStore:
+        """A new counted connection to the job store (each rank has three, each agent two); an
+        ``agent``'s requests also count as the agents'."""
         with self.lock:
             self.connections += 1
         inner = connect_store("127.0.0.1", self.host.port, is_master=False)
-        return JobStore(CountingStore(inner, self.counts, self.lock), secret=SECRET)  # type: ignore[arg-type]
+        counts = (self.counts, self.agent_counts) if agent else (self.counts,)
+        return JobStore(CountingStore(inner, counts, self.lock), secret=SECRET)  # type: ignore[arg-type]
 
     def snapshot(self) -> Counter[str]:
         with self.lock:
             return Counter(self.counts)
+
+    def agents_snapshot(self) -> Counter[str]:
+        with self.lock:
+            return Counter(self.agent_counts)
 
 
 class PeerLost(RuntimeError):
@@ -385,7 +397,7 @@ class SimAgent(threading.Thread):
         super().__init__(name=f"agent{node}", daemon=True)
         self.job = job
         self.node = node
-        self.store = job.client()
+        self.store = job.client(agent=True)
         self.local = list(range(node * job.per_node, (node + 1) * job.per_node))
         self.board = job.boards.get(node)
         self.look = StoreLook(
@@ -400,7 +412,7 @@ class SimAgent(threading.Thread):
         self.store.set_node_owner(node, f"sim-agent-{node}")  # as NodeAgent does as it starts
         for rank in self.local:  # as NodeAgent.start_rank, before the rank's process starts
             self._first_beat(rank, 0)
-        self.watch = MoveWatch(job.client(), 0, name=f"agent{node}-move-watch")
+        self.watch = MoveWatch(job.client(agent=True), 0, name=f"agent{node}-move-watch")
 
     def run(self) -> None:
         job, gen = self.job, 0
@@ -485,9 +497,19 @@ def simulate(
     window: dict[str, Any] = {}
     while not job.done.wait(0.01):
         if "start" not in window and steady_from in job.step_started:
-            window.update(start=time.monotonic(), cpu=time.process_time(), counts=job.snapshot())
+            window.update(
+                start=time.monotonic(),
+                cpu=time.process_time(),
+                counts=job.snapshot(),
+                agents=job.agents_snapshot(),
+            )
         if "end" not in window and steady_to + 1 in job.step_started:
-            window.update(end=time.monotonic(), cpu_end=time.process_time(), counts_end=job.snapshot())
+            window.update(
+                end=time.monotonic(),
+                cpu_end=time.process_time(),
+                counts_end=job.snapshot(),
+                agents_end=job.agents_snapshot(),
+            )
     if job.errors:
         raise SystemExit(f"{world} ranks: " + "; ".join(job.errors[:3]))
     for thread in (*ranks, *agents):
@@ -496,6 +518,7 @@ def simulate(
     rank_steps = world * (steady_to + 1 - steady_from)
     steady = window["counts_end"] - window["counts"]
     total = sum(steady.values())
+    by_agents = sum((window["agents_end"] - window["agents"]).values())
     assert job.fault_at is not None and job.fault_counts is not None and job.recovered_counts is not None
     recovered_at = max(job.joined_after_fault.values())
     recovery_counts = job.recovered_counts - job.fault_counts
@@ -507,6 +530,8 @@ def simulate(
         step_ms=step_ms,
         store_requests_per_rank_step=total / rank_steps,
         store_requests_per_s=total / wall,
+        rank_requests_per_rank_step=(total - by_agents) / rank_steps,
+        agent_requests_per_node_s=by_agents / (job.nodes * wall),
         requests_by_kind={k: v / rank_steps for k, v in sorted(steady.items())},
         vote_p50_s=_percentile(steady_votes, 0.5),
         vote_p99_s=_percentile(steady_votes, 0.99),
@@ -575,17 +600,23 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'ranks':>6} {'nodes':>5} {'req/rank-step':>13} {'req/s':>9} {'vote p50':>9} {'vote p99':>9} "
+        f"{'ranks':>6} {'nodes':>5} {'req/rank-step':>13} {'ranks':>6} {'agents/s':>8} {'req/s':>7} "
+        f"{'vote p50':>9} {'vote p99':>9} "
         f"{'look p50':>9} {'recovery':>9} {'rec. req':>9} {'req/node':>9} {'sim cpu':>8}"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"{r.ranks:>6} {r.nodes:>5} {r.store_requests_per_rank_step:>13.2f} "
-            f"{r.store_requests_per_s:>9.0f} {r.vote_p50_s * 1e3:>7.1f}ms {r.vote_p99_s * 1e3:>7.1f}ms "
+            f"{r.rank_requests_per_rank_step:>6.2f} {r.agent_requests_per_node_s:>8.2f} "
+            f"{r.store_requests_per_s:>7.0f} {r.vote_p50_s * 1e3:>7.1f}ms {r.vote_p99_s * 1e3:>7.1f}ms "
             f"{r.agent_look_p50_s * 1e3:>7.2f}ms {r.recovery_s:>8.2f}s {r.recovery_store_requests:>9} "
             f"{r.recovery_store_requests_per_node:>9.1f} {r.sim_cpu_s:>8.2f}"
         )
+    lines.append(
+        "(req/rank-step: every request; of them, 'ranks': the ranks' own per rank-step, 'agents/s': the node"
+        " agents' per node and second)"
+    )
     kinds = sorted({k for r in rows for k in r.requests_by_kind})
     lines.append("")
     lines.append("requests per rank-step by kind: " + ", ".join(kinds))

@@ -87,6 +87,8 @@ def defaults() -> dict[str, Input]:
                             " waiting ranks poll every <= 2 ms)"),
         "heartbeat_trips": Input(2, "/rank/step", a, "heartbeats through the job store (before and "
                                  "after each batch; one micro-batch per step)"),
+        "agent_rps_per_node": Input(2, "/node/s", "config", "each node agent's store pass: one read and one"
+                                    " write per agent.store_interval (1 s)"),
         "nccl_init_s": Input(2.0, "s", a, "NCCL communicator init, fixed part (no multi-GPU run here)"),
         "nccl_init_per_krank_s": Input(1.0, "s/1000 ranks", a, "NCCL bootstrap grows linearly with ranks;"
                                        " the README has no comm init at 2/3/4 ranks to fit"),
@@ -220,7 +222,8 @@ def risks(v: dict[str, float], scales=SCALES) -> list[str]:
         trips = v["store_trips_t3"] * n / v["store_rps"]
         vote = vote_s(3, n, v)
         need = v["vote_trips"] * n / (0.01 * step)
-        beats = v["heartbeat_trips"] * n / step / v["store_rps"]
+        nodes = n / v["gpus_per_node"]
+        beats = (v["heartbeat_trips"] * n / step + v["agent_rps_per_node"] * nodes) / v["store_rps"]
         pairs = 4 * n / v["store_rps"]  # two pair groups a rank: an address written and read for each
         lines.append(
             f"{n:>7,} {trips:>14.2f}s {vote:>9.3f}s {100 * vote / step:>11.1f}% {need:>12,.0f}"
@@ -231,8 +234,8 @@ def risks(v: dict[str, float], scales=SCALES) -> list[str]:
         " (tiers 3-4; the ranks",
         "  leave the clipping all-reduce together, so their adds arrive as a burst). rps for 1%: the rate one"
         " store would need to",
-        "  keep the vote under 1% of a step. heartbeat load: the store's busy share from heartbeats alone."
-        " buddy pairs: tier 4's",
+        "  keep the vote under 1% of a step. heartbeat load: the store's busy share from heartbeats and"
+        " the agents' store passes. buddy pairs: tier 4's",
         "  buddy source forms two gloo groups of two ranks per rank each generation"
         " (replication/buddy_links.py, in three",
         "  rounds whatever the world): 4N store requests, 4N/store_rps per recovery (it was a world-size"
@@ -325,18 +328,37 @@ def load_measured(path: Path, inputs: dict[str, Input]) -> None:
 
 
 def control_plane_inputs(rows: list[dict], path: Path) -> dict[str, dict]:
-    """The store inputs measured by ``bench/control_plane.py`` on its largest simulated job: every
-    store request per rank and step (vote, heartbeats, fingerprints, the agents' passes: all of them
-    in ``vote_trips``, so ``heartbeat_trips`` is 0) and a recovery's requests per rank."""
+    """The store inputs measured by ``bench/control_plane.py`` on its largest simulated job: the
+    ranks' store requests per rank and step (the vote; heartbeats and fingerprints where they go to
+    the store: all of them in ``vote_trips``, so ``heartbeat_trips`` is 0), the node agents' per node
+    and second (their store passes: store load, not on the step's path; rows written before
+    2026-12-07 have no split, so every request counts per rank-step there), and a recovery's
+    requests per rank."""
     if not rows or not all("store_requests_per_rank_step" in row for row in rows):
         raise SystemExit(f"--measured {path}: not a bench/control_plane.py --json file (a list of rows)")
     row = max(rows, key=lambda r: r["ranks"])
     where = f"bench/control_plane.py, {row['ranks']} simulated ranks, {row['step_ms']:g} ms steps"
+    if "rank_requests_per_rank_step" not in row:
+        split = {
+            "vote_trips": {
+                "value": row["store_requests_per_rank_step"],
+                "origin": f"{where}: every store request per rank-step (heartbeats and agents included)",
+            },
+            "agent_rps_per_node": {"value": 0, "origin": f"{where}: counted in vote_trips"},
+        }
+    else:
+        split = {
+            "vote_trips": {
+                "value": row["rank_requests_per_rank_step"],
+                "origin": f"{where}: the ranks' store requests per rank-step",
+            },
+            "agent_rps_per_node": {
+                "value": row["agent_requests_per_node_s"],
+                "origin": f"{where}: the node agents' store requests per node and second",
+            },
+        }
     return {
-        "vote_trips": {
-            "value": row["store_requests_per_rank_step"],
-            "origin": f"{where}: every store request per rank-step (heartbeats and agents included)",
-        },
+        **split,
         "heartbeat_trips": {"value": 0, "origin": f"{where}: counted in vote_trips"},
         "store_trips_t3": {
             "value": row["recovery_store_requests"] / row["ranks"],

@@ -37,6 +37,9 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     # are the agents' looks (one per pass for all nodes).
     assert kinds["wait"] > 0 and kinds.get("check", 0) < 0.5, kinds
     assert row["store_requests_per_rank_step"] >= 2.5
+    # The ranks' own share (the vote) per rank-step, and the agents' per node and second: together all
+    assert 2.5 <= row["rank_requests_per_rank_step"] <= row["store_requests_per_rank_step"]
+    assert row["agent_requests_per_node_s"] >= 0
     assert 0 < row["vote_p50_s"] <= row["vote_p99_s"]
     assert 0 < row["recovery_s"] < 30 and row["recovery_store_requests"] > 16
     assert "req/rank-step" in run.stdout
@@ -48,3 +51,6 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     assert model.returncode == 0, model.stderr
     line = next(line for line in model.stdout.splitlines() if line.startswith("vote_trips"))
     assert "measured" in line and "bench/control_plane.py, 16 simulated ranks" in line
+    assert "the ranks' store requests per rank-step" in line
+    line = next(line for line in model.stdout.splitlines() if line.startswith("agent_rps_per_node"))
+    assert "measured" in line and "per node and second" in line
