@@ -66,7 +66,7 @@ from typing import Any
 
 from ckless_lightning.record.events import EventLog, read_events
 from ckless_lightning.record.loss_log import read_loss_records
-from ckless_lightning.record.summary import FaultRecovery, JobSummary, summarize
+from ckless_lightning.record.summary import FaultRecovery, JobSummary, first_step_ratio, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from two_nodes import two_node_rows  # bench/ is not a package
@@ -297,6 +297,29 @@ def table(rows: list[tuple[str, tuple[FaultRecovery, float] | str]]) -> list[str
 
 
 # --- figures -------------------------------------------------------------------------------------------
+FIRST_STEP_TARGET = 1.3  # issue #33: tiers 3-4's first step after a recovery, in median steps
+
+
+def figure_first_step(runs: dict[str, Run]) -> list[str]:
+    """Per fault row: the first step after the recovery (the last rank's first batch -> every rank's
+    first step done) against the run's median step."""
+    out = ["first step after the recovery / median step (target <= 1.3 at tiers 3-4):"]
+    for name, key, _extra in FAULT_ROWS:
+        run = runs.get(key)
+        if run is None or run.error:
+            out.append(f"   {name:<20} n/a: {run.error if run else 'not run'}")
+            continue
+        summary = run.summary()
+        ratio = first_step_ratio(summary)
+        if ratio is None:
+            out.append(f"   {name:<20} n/a: no first step after the fault, or no median step")
+            continue
+        first = max(f.first_step_s for f in summary.faults if f.first_step_s is not None)
+        target = ""
+        if key.startswith(("tier3", "tier4")):
+            target = " (met)" if ratio <= FIRST_STEP_TARGET else " (not met)"
+        out.append(f"   {name:<20} {first:.3f} s / {summary.step_time_s:.3f} s = {ratio:.2f}{target}")
+    return out
 
 
 def per_step(run: Run, seconds: str, count: str) -> float | None:
@@ -600,6 +623,7 @@ def main() -> None:
             runs["tier4b"], runs["tier4h"], runs["clean-tier0"], runs["clean-tier4b"]
         )
         figures = [
+            figure_first_step(runs),
             figure_vote(runs["clean-tier0"], runs["clean-tier3"]),
             figure_overhead(runs["clean-tier0"], runs["clean-tier4b"]),
             figure_digest(runs["clean-tier0"], runs["tier4h"]),

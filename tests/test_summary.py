@@ -122,6 +122,7 @@ def test_tier0_single_fault_every_figure():
     assert f.state_load_s == 2.25  # rank 0
     assert f.data_ready_s == 1.0  # rank 1
     assert f.total_s == 1022.0 - 1012.75  # ranks 2 and 3 finish their first step last
+    assert f.first_step_s == 1022.0 - 1021.5  # from the last first batch (ranks 2 and 3)
     assert f.resumed_from_step == 4 and f.steps_lost == 1  # step 5 was redone
     assert f.recovered and f.outcome == "recovered"
     assert s.tier == 0 and s.world_size == 4
@@ -142,6 +143,8 @@ def test_tier0_table_text():
     row = lines[lines.index(header) + 1]
     assert row.split() == ["1", "SIGKILL@1", "6", "sigkill/backward", "agent0",
                            "0.25", "1.00", "1.25", "3.50", "0.75", "2.25", "1.00", "9.25", "1"]  # fmt: skip
+    # The first step after the recovery: ranks 2 and 3's first batch (1021.5) -> their step (1022.0)
+    assert "first step after 0.50 s = 1.00 x the median step" in text
     assert "goodput          20.0%" in text
     assert "ML goodput       90.9% = steps kept / steps computed (1 lost)" in text
     assert "wall time        25.00 s" in text

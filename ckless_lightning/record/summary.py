@@ -26,7 +26,7 @@ from ckless_lightning.record.ending import ending
 from ckless_lightning.record.events import read_events, read_jsonl
 from ckless_lightning.record.faults import ObservedFault, observed_faults
 
-__all__ = ["FaultRecovery", "JobSummary", "summarize", "summarize_run"]
+__all__ = ["FaultRecovery", "JobSummary", "first_step_ratio", "summarize", "summarize_run"]
 
 _FAULT_KINDS = ("fault_injected", "fault_detected", "generation")
 
@@ -39,7 +39,9 @@ class FaultRecovery:
     of the old generation stopped. ``process_start_s``: stop (or detection) ->
     last new process started. ``imports_s``, ``comm_init_s``, ``state_load_s``:
     the slowest rank's phase. ``data_ready_s``: state loaded -> first batch
-    (slowest rank). ``total_s``: fault -> last rank's first completed step in the
+    (slowest rank). ``first_step_s``: the last rank's first batch -> the last rank's first
+    completed step (the new generation's first step, which every rank waits out in its
+    collectives). ``total_s``: fault -> last rank's first completed step in the
     new generation. ``steps_lost``: steps completed anywhere before the recovery that were redone
     (``completed_before`` - ``resumed_from_step``): also those every rank rolled back past the
     fault's step (tier 4: a rank killed between the commit and its update leaves its buddy's copy
@@ -67,6 +69,7 @@ class FaultRecovery:
     comm_init_s: float | None = None
     state_load_s: float | None = None
     data_ready_s: float | None = None
+    first_step_s: float | None = None
     total_s: float | None = None
     resumed_from_step: int | None = None
     completed_before: int | None = None  # the highest step any rank completed before the recovery
@@ -232,7 +235,15 @@ def _handled_by(fault: FaultRecovery, first: FaultRecovery) -> None:
     """``fault`` hit while ``first``'s generation was failing; ``first``'s recovery handled both."""
     fault.outcome = f"handled in the recovery of fault {first.index}"
     fault.new_gen = None
-    for attr in ("stop_s", "process_start_s", "imports_s", "comm_init_s", "state_load_s", "data_ready_s"):
+    for attr in (
+        "stop_s",
+        "process_start_s",
+        "imports_s",
+        "comm_init_s",
+        "state_load_s",
+        "data_ready_s",
+        "first_step_s",
+    ):
         setattr(fault, attr, None)
     fault.total_s = fault.resumed_from_step = fault.steps_lost = None
 
@@ -328,7 +339,11 @@ def _recovery(events: list[dict[str, Any]], index: int, observed: ObservedFault)
     fault.data_ready_s = _slowest(by_phase, "state_load_done", "data_ready")
     first_steps = by_phase.get("first_step_done", {})
     if first_steps:
-        fault.total_s = max(e["t"] for e in first_steps.values()) - t_f
+        trained = max(e["t"] for e in first_steps.values())
+        fault.total_s = trained - t_f
+        batches = by_phase.get("data_ready", {})
+        if batches:
+            fault.first_step_s = trained - max(e["t"] for e in batches.values())
     loaded = by_phase.get("state_load_done", {})
     if loaded:
         fault.resumed_from_step = loaded.get(0, loaded[min(loaded)]).get("step")
@@ -482,6 +497,7 @@ def _footer(s: JobSummary) -> list[str]:
         f"startup          {_secs(s.startup_s)} s (job start -> the job's first completed step)",
         *_fault_count_lines(s),
         f"recoveries       {len(recovering)}, {_secs(sum(recovering))} s (fault -> first step after it)",
+        *_first_step_lines(s),
         f"goodput          {_percent(s.goodput)} = steps done x median step / wall time",
         f"ML goodput       {_percent(s.ml_goodput)} = steps kept / steps computed ({s.steps_lost} lost)",
         f"generations      {s.generations}",
@@ -489,6 +505,23 @@ def _footer(s: JobSummary) -> list[str]:
         *_verification_lines(s),
         f"exit status      {ending(s)}",
     ]
+
+
+def first_step_ratio(s: JobSummary) -> float | None:
+    """The slowest first step after a recovery, in median steps (None: no recovery, or no median)."""
+    firsts = [f.first_step_s for f in s.faults if f.first_step_s is not None]
+    if not firsts or not s.step_time_s:
+        return None
+    return max(firsts) / s.step_time_s
+
+
+def _first_step_lines(s: JobSummary) -> list[str]:
+    ratio = first_step_ratio(s)
+    if ratio is None:
+        return []
+    slowest = max(f.first_step_s for f in s.faults if f.first_step_s is not None)
+    # The slowest recovery's: its last rank's first batch -> every rank's first step done
+    return [f"first step after {_secs(slowest)} s = {ratio:.2f} x the median step (the slowest recovery's)"]
 
 
 def _fault_count_lines(s: JobSummary) -> list[str]:
