@@ -229,13 +229,10 @@ class Job:
         counts = (self.counts, self.agent_counts) if agent else (self.counts,)
         return JobStore(CountingStore(inner, counts, self.lock), secret=SECRET)  # type: ignore[arg-type]
 
-    def snapshot(self) -> Counter[str]:
+    def snapshot(self, *, agents: bool = False) -> Counter[str]:
+        """The requests counted so far (``agents``: the node agents' only)."""
         with self.lock:
-            return Counter(self.counts)
-
-    def agents_snapshot(self) -> Counter[str]:
-        with self.lock:
-            return Counter(self.agent_counts)
+            return Counter(self.agent_counts if agents else self.counts)
 
 
 class PeerLost(RuntimeError):
@@ -501,14 +498,14 @@ def simulate(
                 start=time.monotonic(),
                 cpu=time.process_time(),
                 counts=job.snapshot(),
-                agents=job.agents_snapshot(),
+                agents=job.snapshot(agents=True),
             )
         if "end" not in window and steady_to + 1 in job.step_started:
             window.update(
                 end=time.monotonic(),
                 cpu_end=time.process_time(),
                 counts_end=job.snapshot(),
-                agents_end=job.agents_snapshot(),
+                agents_end=job.snapshot(agents=True),
             )
     if job.errors:
         raise SystemExit(f"{world} ranks: " + "; ".join(job.errors[:3]))

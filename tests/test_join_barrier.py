@@ -9,7 +9,8 @@ import time
 import pytest
 from store_counting import counted_client
 
-from ckless_lightning.comm import Heartbeat, JobStore
+from ckless_lightning.comm import JobStore
+from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats
 from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
 
 SECRET = "join-barrier-test-secret"
@@ -21,19 +22,19 @@ def host():
     yield store
 
 
-class _Board:
-    """The node's heartbeat board (local memory in the product): its beats are no store requests."""
-
-    def __init__(self) -> None:
-        self.beats: list[tuple[int, Heartbeat]] = []
-
-    def set_rank_heartbeat(self, rank: int, beat: Heartbeat) -> None:
-        self.beats.append((rank, beat))
+@pytest.fixture
+def board():
+    """The node's heartbeat board (shared memory): a rank's beats to it are no store requests."""
+    board = BeatBoard.create(slots=1)
+    yield board
+    board.close()
 
 
-def _session(store: JobStore, rank: int, waiter: JobStore, board: _Board | None = None) -> GenerationSession:
+def _session(
+    store: JobStore, rank: int, waiter: JobStore, beats: BoardBeats | None = None
+) -> GenerationSession:
     return GenerationSession(
-        store, rank=rank, world_size=2, generation=0, join_timeout_s=30.0, waiter=waiter, beats=board
+        store, rank=rank, world_size=2, generation=0, join_timeout_s=30.0, waiter=waiter, beats=beats
     )
 
 
@@ -50,11 +51,10 @@ def _join_in_thread(session: GenerationSession) -> tuple[threading.Thread, dict]
 
 
 @pytest.mark.timeout(60)
-def test_a_waiting_rank_blocks_until_the_last_rank_opens_the_barrier(host):
+def test_a_waiting_rank_blocks_until_the_last_rank_opens_the_barrier(host, board):
     store, counting = counted_client(host)
     waiter, waits = counted_client(host)
-    board = _Board()
-    thread, out = _join_in_thread(_session(store, 0, waiter, board))
+    thread, out = _join_in_thread(_session(store, 0, waiter, BoardBeats(board, rank=0, slot=0)))
     time.sleep(2.5)  # rank 0 waits alone, blocked in the store: it does not poll
     assert thread.is_alive()
     late = host.another_client()
@@ -67,17 +67,17 @@ def test_a_waiting_rank_blocks_until_the_last_rank_opens_the_barrier(host):
     # (a poll every 10 ms made some 250 a second)
     assert sorted(counting.calls) == ["add", "add", "add", "set"], counting.calls
     assert waits.calls == ["wait"]
-    assert [beat.phase for _, beat in board.beats] == ["recovery"]  # to the board, for its agent
+    assert board.read(0).phase == "recovery"  # to the board, for its agent
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_that_left_joins_the_generation_it_read_with_four_requests(host):
+def test_a_rank_that_left_joins_the_generation_it_read_with_four_requests(host, board):
     # After a fault: leave() reads the job's generation (and moves it on); join() counts the rank into
     # that generation without reading it again. Four requests per rank and barrier, the wait included.
     host.set_member(1, 0)
     store, counting = counted_client(host)
     waiter, waits = counted_client(host)
-    session = _session(store, 0, waiter, _Board())
+    session = _session(store, 0, waiter, BoardBeats(board, rank=0, slot=0))
     assert session.leave() == 1  # it moved the job on: generation 1
     counting.calls.clear()
     thread, out = _join_in_thread(session)

@@ -26,7 +26,14 @@ from ckless_lightning.record.ending import ending
 from ckless_lightning.record.events import read_events, read_jsonl
 from ckless_lightning.record.faults import ObservedFault, observed_faults
 
-__all__ = ["FaultRecovery", "JobSummary", "first_step_ratio", "summarize", "summarize_run"]
+__all__ = [
+    "FaultRecovery",
+    "JobSummary",
+    "first_step_ratio",
+    "slowest_first_step",
+    "summarize",
+    "summarize_run",
+]
 
 _FAULT_KINDS = ("fault_injected", "fault_detected", "generation")
 
@@ -507,21 +514,28 @@ def _footer(s: JobSummary) -> list[str]:
     ]
 
 
+def slowest_first_step(s: JobSummary) -> float | None:
+    """The slowest recovery's first step after it (``first_step_s``), None without one."""
+    return max((f.first_step_s for f in s.faults if f.first_step_s is not None), default=None)
+
+
 def first_step_ratio(s: JobSummary) -> float | None:
     """The slowest first step after a recovery, in median steps (None: no recovery, or no median)."""
-    firsts = [f.first_step_s for f in s.faults if f.first_step_s is not None]
-    if not firsts or not s.step_time_s:
+    slowest = slowest_first_step(s)
+    if slowest is None or not s.step_time_s:
         return None
-    return max(firsts) / s.step_time_s
+    return slowest / s.step_time_s
 
 
 def _first_step_lines(s: JobSummary) -> list[str]:
     ratio = first_step_ratio(s)
     if ratio is None:
         return []
-    slowest = max(f.first_step_s for f in s.faults if f.first_step_s is not None)
     # The slowest recovery's: its last rank's first batch -> every rank's first step done
-    return [f"first step after {_secs(slowest)} s = {ratio:.2f} x the median step (the slowest recovery's)"]
+    return [
+        f"first step after {_secs(slowest_first_step(s))} s = {ratio:.2f} x the median step "
+        "(the slowest recovery's)"
+    ]
 
 
 def _fault_count_lines(s: JobSummary) -> list[str]:
