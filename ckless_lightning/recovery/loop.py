@@ -124,6 +124,10 @@ class InProcessRecovery:
             device from one running its own code.
         beats: where this rank's heartbeats go (:meth:`RankContext.beats`: its slot of the node
             agent's board); None: the job store.
+        warm_first_step: a replaced rank (a fresh process) warms DTensor's caches for its first
+            optimizer step before it (tier 4: while its state moves; tier 3: after the checkpoint
+            loads), so that the survivors do not wait ~0.3 s for it in that step
+            (:mod:`~ckless_lightning.replication.warmup`; no bit changes).
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class InProcessRecovery:
         elastic: ElasticPolicy | None = None,
         device_busy: Callable[[], bool] | None = None,
         beats: HeartbeatWriter | None = None,
+        warm_first_step: bool = True,
     ) -> None:
         self.generation = generation  # the job's view: every rank, the full mesh
         self.device_busy = device_busy
@@ -166,6 +171,7 @@ class InProcessRecovery:
         self.elastic = elastic
         self.snapshots = snapshots
         self.bucket_bytes = bucket_bytes
+        self.warm_first_step = warm_first_step
         # HSDP: replicas compare state digests in the vote (None: no replicas, or switched off)
         self.digest = digest if generation.mesh[0] >= 2 else None
         self.snapshot_callback: SnapshotCallback | None = None  # the current generation's (its cost)
@@ -394,6 +400,7 @@ class InProcessRecovery:
                     (lambda: faults.on_transfer(self.session.completed_step)) if faults is not None else None
                 ),
                 adopt_live=resume == MEMORY_CHECKPOINT,
+                warm_first_step=self.warm_first_step,
             )
         return CheckpointlessStrategy(
             generation=gen,
@@ -402,6 +409,7 @@ class InProcessRecovery:
             step_vote=self.commit.vote,
             on_leave=self._on_leave,
             memory=memory,
+            warm_first_step=self.warm_first_step,
         )
 
     def _on_strategy_phase(self, phase: str, gen: int, **fields: Any) -> None:

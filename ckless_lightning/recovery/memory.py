@@ -31,6 +31,7 @@ and what was rejected: never a guess.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -61,6 +62,7 @@ from ckless_lightning.replication.adopt import adopt_optimizer_state, adopt_para
 from ckless_lightning.replication.buddy_links import form_buddy_links
 from ckless_lightning.replication.loop_state import decode_loop_state
 from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups
+from ckless_lightning.replication.warmup import WarmUp, process_is_warm, warm_optimizer_step
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
 __all__ = ["MemoryRestore", "StartOver"]
@@ -85,6 +87,9 @@ class MemoryRestore:
         on_transfer: called on every rank as a transfer starts (fault injection's ``transfer`` phase).
         adopt_live: the generation resumes from memory (``MEMORY_CHECKPOINT``): a survivor's new model
             takes its live shards as parameters (:meth:`adopt`) instead of allocating new ones.
+        warm_first_step: a rank that receives its state in a process that never stepped its optimizer
+            (a replaced rank) warms DTensor's caches for its first step on the main thread while its
+            transfer runs on another (:meth:`_receive_warming`).
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class MemoryRestore:
         corrupt: Callable[[Transfer, int, torch.Tensor], None] | None = None,
         on_transfer: Callable[[], None] | None = None,
         adopt_live: bool = False,
+        warm_first_step: bool = False,
     ) -> None:
         self.snapshots = snapshots
         self.generation = generation
@@ -107,6 +113,8 @@ class MemoryRestore:
         self.corrupt = corrupt
         self.on_transfer = on_transfer or (lambda: None)
         self.adopt_live = adopt_live
+        self.warm_first_step = warm_first_step
+        self.warmed: WarmUp | None = None  # what the warm-up during the transfer did, if it ran
         self.adopted = False  # this rank's new model runs on its live shards (set by ``adopt``)
 
     def attach(self) -> None:
@@ -166,7 +174,10 @@ class MemoryRestore:
                 return self._fall_back(plan, reasons)
             assert plan.step is not None
             loop = self._fill(plan, rank, tensors)
-            bad = self._receive(plan, rank, tensors)
+            if self.warm_first_step and rank in plan.lost and not process_is_warm():
+                bad = self._receive_warming(plan, rank, tensors, optimizers)
+            else:
+                bad = self._receive(plan, rank, tensors)
             if bad:
                 rejected |= Rejected(pairs=bad)
                 pairs = [(p.src, p.dst) for p in sorted(bad, key=str)]
@@ -235,12 +246,64 @@ class MemoryRestore:
         if not plan.transfers:
             return frozenset()
         self.on_transfer()
+        return self._transfer(plan, rank, tensors)
+
+    def _transfer(self, plan: SourceMap, rank: int, tensors: list[torch.Tensor]) -> frozenset[Transfer]:
         send: list[torch.Tensor] = tensors
         source_of = {p.src: p for p in plan.transfers}
         if rank in source_of and self.snapshots.source == "buddy":
             send = list(self.snapshots.held_copy(plan.step).buffer.views)  # type: ignore[arg-type]
         ok = transfer_tensors(plan.transfers, send, bucket_bytes=self.bucket_bytes, corrupt=self.corrupt)
         return frozenset(p for p in plan.transfers if not ok[p.dst])
+
+    def _receive_warming(
+        self,
+        plan: SourceMap,
+        rank: int,
+        tensors: list[torch.Tensor],
+        optimizers: list[torch.optim.Optimizer],
+    ) -> frozenset[Transfer]:
+        """:meth:`_receive` on a helper thread while this (the training) thread warms the first step.
+
+        DTensor's caches are per thread, so the warm-up must run here; the transfer touches only
+        local tensors (no DTensor dispatch) and is the only communication while both run (the
+        warm-up makes none), so the collectives keep their order. This thread then waits for the
+        transfer in this file's frame: the rank's position reads ``peers``, as in the transfer itself
+        (the agent's hang blame, the generation watch's left-behind exit). The helper is a daemon: a
+        transfer stuck in C++ does not keep a process that exits from ending.
+        """
+        if not plan.transfers:
+            return frozenset()
+        self.on_transfer()  # here: a fault injected in it (a hang) is where the rank's position says
+        done = threading.Lock()
+        done.acquire()
+        outcome: list[Any] = []
+
+        def transfer() -> None:
+            try:
+                outcome.append(self._transfer(plan, rank, tensors))
+            except BaseException as err:  # re-raised on the training thread below
+                outcome.append(err)
+            finally:
+                done.release()
+
+        helper = threading.Thread(target=transfer, name="tier4-transfer", daemon=True)
+        helper.start()
+        self.warmed = warm_optimizer_step(optimizers)
+        done.acquire()  # a C lock: the innermost Python frame stays this one (``peers``)
+        helper.join()
+        self._emit(
+            "rank_phase",
+            phase="first_step_warmed",
+            step=None,
+            seconds=round(self.warmed.seconds, 6),
+            params=self.warmed.params,
+            skipped=list(self.warmed.skipped),
+            during="transfer",
+        )
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     def _receive_loop(self, plan: SourceMap, rank: int, own_loop: bytes) -> bytes:
         if not plan.transfers:

@@ -169,6 +169,11 @@ class TrainerConfig:
 
     ``devices``, ``num_nodes``, ``strategy`` and ``accumulate_grad_batches`` are
     derived from ``cluster`` and the batch sizes, so they are not keys here.
+
+    ``warm_first_step`` (tiers 3-4, not a Trainer argument): a replaced rank's new process warms
+    DTensor's sharding caches for its first optimizer step before it (tier 4: while its state
+    moves), so that the survivors do not wait for it in the first step after a recovery; no bit
+    of the computation changes (ckless_lightning.replication.warmup).
     """
 
     max_steps: int = 20
@@ -177,8 +182,11 @@ class TrainerConfig:
     precision: str = "32-true"
     log_every_n_steps: int = 1
     enable_progress_bar: bool = True
+    warm_first_step: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.warm_first_step, bool):
+            raise ValueError(f"trainer.warm_first_step must be true or false, got {self.warm_first_step!r}")
         if self.max_steps < 1:
             raise ValueError(f"trainer.max_steps must be >= 1, got {self.max_steps}")
         if self.global_batch_size < 1:

@@ -441,6 +441,7 @@ def _train_in_process(run: _RankRun, *, after_fit: Callable[[pl.Trainer], None])
         elastic=build_elastic_policy(job),
         device_busy=_device_busy(job),
         beats=context.beats(store),
+        warm_first_step=job.trainer.warm_first_step,
     )
     trainer = recovery.fit(
         lambda strategy, callbacks: run.trainer(

@@ -53,6 +53,7 @@ from ckless_lightning.replication.state import (
     rng_state,
     set_rng_state,
 )
+from ckless_lightning.replication.warmup import mark_process_warm, process_is_warm, warm_optimizer_step
 from ckless_lightning.runtime.contract import UsageError
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
@@ -104,6 +105,10 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         memory: tier 4: serves ``fit(ckpt_path=MEMORY_CHECKPOINT)`` from memory.
         data_seed: orders a user's shuffled train loader (:meth:`process_dataloader`), with the epoch;
             None: the seed of ``lightning.seed_everything``, as Lightning's own DistributedSampler.
+        warm_first_step: tiers 3-4: a process that never stepped its optimizer (a replaced rank) warms
+            DTensor's caches for its first step once the checkpoint is loaded
+            (:func:`~ckless_lightning.replication.warmup.warm_optimizer_step`; no bit changes), unless
+            tier 4's restore already did while the state moved. A ``first_step_warmed`` phase says so.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         on_leave: Callable[[], None] | None = None,
         memory: InMemoryState | None = None,
         data_seed: int | None = None,
+        warm_first_step: bool = False,
     ) -> None:
         if generation is not None:
             (replicate, shard), timeout = generation.mesh, timedelta(seconds=generation.pg_timeout_s)
@@ -145,6 +151,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         self._memory = memory
         self._light = False
         self._data_seed = data_seed
+        self._warm_first_step = warm_first_step
 
     @property
     def generation(self) -> Generation | None:
@@ -301,6 +308,7 @@ class CheckpointlessStrategy(ModelParallelStrategy):
             restored = self._memory.restore(self.lightning_module, list(self.optimizers))
             if isinstance(restored, dict):
                 self._rng_to_restore = restored.pop(RNG_KEY, None)
+                self._warm_up()
                 return restored
             checkpoint_path = restored  # no live copy of some state: the disk fallback
         loaded = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -314,7 +322,17 @@ class CheckpointlessStrategy(ModelParallelStrategy):
                 "process's own RNG, not as in a run without the fault",
                 file=sys.stderr,
             )
+        self._warm_up()
         return loaded
+
+    def _warm_up(self) -> None:
+        """After a restore, in a process that never stepped (see ``warm_first_step``)."""
+        if not self._warm_first_step or process_is_warm() or not self.optimizers:
+            return
+        done = warm_optimizer_step(list(self.optimizers))
+        self._on_phase("first_step_warmed", seconds=round(done.seconds, 6), params=done.params)
+        for why in done.skipped:
+            print(f"rank {self.global_rank}: first-step warm-up skipped: {why}", file=sys.stderr)
 
     @override
     def optimizer_step(
@@ -349,7 +367,9 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         if step_vote is not None and device.type not in ("cpu", "meta"):
             wait_for_device = lambda: torch.accelerator.synchronize(device)  # every stream of the device
         stand_in = _CommitThenStep(optimizer, vote, wait_for_device=wait_for_device)
-        return super().optimizer_step(stand_in, closure, model, **kwargs)
+        result = super().optimizer_step(stand_in, closure, model, **kwargs)
+        mark_process_warm()  # its caches now hold the step's entries (warm_first_step)
+        return result
 
     @override
     def on_exception(self, exception: BaseException) -> None:
