@@ -2,13 +2,15 @@
 
     python bench/control_plane.py [--ranks 8 64 256 1024] [--ranks-per-node 8] [--step-ms 100]
                                   [--steps 30] [--kill-step 15] [--tier 4] [--vote wait|poll|collective]
-                                  [--beats local|store] [--json PATH]
+                                  [--beats local|store] [--join node|store] [--json PATH]
 
 Everything that is not the model runs as the job runs it, one thread per simulated rank and per
 simulated node agent, in this process, against a real ``TCPStore`` hosting the job store:
 
-- each rank joins generation 0 through :class:`GenerationSession` (the join barrier), holds a
-  :class:`GenerationWatch` on a second store connection, and per step sleeps ``--step-ms`` (the
+- each rank joins generation 0 through :class:`GenerationSession` (the join barrier; it leaves and
+  joins through its node agent's :class:`JoinRelay`, or with ``--join store`` through the store), holds a
+  :class:`GenerationWatch` (told the job's moves by its agent's relay, or with ``--join store`` by a
+  key of its own in the store, on a second connection), and per step sleeps ``--step-ms`` (the
   step's compute), beats twice (:class:`HeartbeatCallback`, as at a batch's start and end: into its
   node's heartbeat board, or with ``--beats store`` to the store), votes
   (:class:`StepCommit`) and, at tier 4, marks the job's state recorded once a generation (a step's
@@ -18,7 +20,8 @@ simulated node agent, in this process, against a real ``TCPStore`` hosting the j
 - each node agent (``--ranks-per-node`` ranks) looks at its node every ``agent.monitor_interval``
   (0.1 s: the board, no request) and makes the store pass every ``agent.store_interval`` (1 s;
   :class:`StoreLook`, the node agent's own code: its beat, and its ranks' beats that changed, in
-  one request after one read), at once when its :class:`MoveWatch` sees the generation move; when
+  one request after one read), at once when its :class:`MoveWatch` sees the generation move (which
+  it also tells its relay); when
   one of its ranks dies, it moves the job to the next generation (``JobStore.advance_generation``)
   and starts a replacement rank (new connections; heartbeat and membership written as the agent
   does);
@@ -69,6 +72,7 @@ from ckless_lightning.agent.move_watch import MoveWatch  # noqa: E402
 from ckless_lightning.agent.store_look import StoreLook  # noqa: E402
 from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore  # noqa: E402
 from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats, HeartbeatWriter  # noqa: E402
+from ckless_lightning.comm.node_relay import JoinRelay, NodeLink  # noqa: E402
 from ckless_lightning.comm.store import connect_store  # noqa: E402
 from ckless_lightning.recovery.commit import StepCommit  # noqa: E402
 from ckless_lightning.recovery.session import GenerationSession  # noqa: E402
@@ -185,6 +189,7 @@ class Job:
     blocking_vote: bool = True  # False: waiting votes poll the decision (the design before)
     collective_vote: bool = False  # True: comm.vote=collective (SimAllReduce), no store request
     local_beats: bool = True  # False: every rank beats to the store (agent.local_beats=false, before)
+    node_join: bool = True  # False: every rank joins through the store (the design before the relay)
     host: TCPStore = field(init=False)
     boards: dict[int, BeatBoard] = field(default_factory=dict)  # node -> its agent's heartbeat board
     counts: Counter[str] = field(default_factory=Counter)
@@ -207,6 +212,7 @@ class Job:
         self.allreduce = SimAllReduce(self.world)
         self.host = connect_store("127.0.0.1", 0, is_master=True)
         JobStore(self.host, secret=SECRET).open_job()  # as JobStore.host does
+        assert self.local_beats or not self.node_join, "the node relay goes through the board"
         if self.local_beats:
             self.boards = {node: BeatBoard.create(self.per_node) for node in range(self.nodes)}
 
@@ -283,6 +289,9 @@ class SimRank(threading.Thread):
         self.beats = job.beats(rank, self.store)
         # Where it is goes with its beats (as InProcessRecovery's WhereReporter): the board, or the store
         self.where: BoardBeats | JobStore = self.beats if isinstance(self.beats, BoardBeats) else self.store
+        # Its end of the node relay (as InProcessRecovery's: its slot of the node's board)
+        board = job.boards.get(rank // job.per_node)
+        self.link = NodeLink(board, slot=rank % job.per_node) if job.node_join and board else None
         self.session = GenerationSession(
             self.store,
             rank=rank,
@@ -291,6 +300,7 @@ class SimRank(threading.Thread):
             join_timeout_s=600,
             beats=self.beats,
             waiter=self.barrier_waiter,
+            link=self.link,
         )
         self.session.completed_step = first_step - 1
         self.replacement = generation > 0
@@ -318,6 +328,7 @@ class SimRank(threading.Thread):
                 waiter=self.waiter,
                 on_stuck=lambda: None,
                 on_moved=self._on_moved(commit, gen),
+                moves=self.link,
             )
             watch.start()
             marked = False  # the state/recorded mark of this generation's first step (tier 4)
@@ -409,11 +420,29 @@ class SimAgent(threading.Thread):
         self.store.set_node_owner(node, f"sim-agent-{node}")  # as NodeAgent does as it starts
         for rank in self.local:  # as NodeAgent.start_rank, before the rank's process starts
             self._first_beat(rank, 0)
-        self.watch = MoveWatch(job.client(agent=True), 0, name=f"agent{node}-move-watch")
+        self.relay = None
+        if job.node_join:
+            assert self.board is not None
+            self.relay = JoinRelay(
+                self.board,
+                ranks=self.local,
+                world_size=job.world,
+                store=job.client(agent=True),
+                waiter=job.client(agent=True),
+                generation=0,
+            )
+        self.watch = MoveWatch(
+            job.client(agent=True),
+            0,
+            name=f"agent{node}-move-watch",
+            on_moved=self.relay.moved if self.relay is not None else None,
+        )
 
     def run(self) -> None:
         job, gen = self.job, 0
         self.watch.start()
+        if self.relay is not None:
+            self.relay.start()
         try:
             while not job.done.is_set():
                 with job.lock:  # the node's look: a dead rank's exit code, and the board (no request)
@@ -426,10 +455,14 @@ class SimAgent(threading.Thread):
                     job.looks.append(time.perf_counter() - start)
                     gen = max(gen, look.current)
                 for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
+                    if self.relay is not None:
+                        self.relay.slot_lost(rank % job.per_node)
                     gen = max(gen, self.store.generation())
                     # Only if no generation answered the death yet (its survivors may have moved on)
                     if self.store.member(rank) >= gen:
                         gen = self.store.advance_generation(gen, world_size=job.world)
+                    if self.relay is not None:
+                        self.relay.slot_started(rank % job.per_node)
                     self._first_beat(rank, gen)
                     self.store.set_member(rank, gen)
                     SimRank(job, rank, generation=gen, first_step=job.kill_step).start()
@@ -440,6 +473,8 @@ class SimAgent(threading.Thread):
         finally:
             # The job is over: end the watch's wait before the job's store closes (as the agent
             # hosting the store does), so no wait is left on a connection that closes.
+            if self.relay is not None:
+                self.relay.stop()
             self.watch.stop(release=self.store)
 
     def _first_beat(self, rank: int, gen: int) -> None:
@@ -469,6 +504,7 @@ def simulate(
     blocking_vote: bool = True,
     local_beats: bool = True,
     collective_vote: bool = False,
+    node_join: bool = True,
 ) -> Row:
     """Run one simulated job of ``world`` ranks to its end; its figures."""
     if world % per_node:
@@ -485,6 +521,7 @@ def simulate(
         blocking_vote=blocking_vote,
         local_beats=local_beats,
         collective_vote=collective_vote,
+        node_join=node_join and local_beats,
     )
     ranks = [SimRank(job, r) for r in range(world)]
     agents = [SimAgent(job, n) for n in range(job.nodes)]
@@ -563,6 +600,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
         default="local",
         help="where ranks beat: their node agent's board, published once per pass (today), or the store",
     )
+    parser.add_argument(
+        "--join",
+        choices=("node", "store"),
+        default="node",
+        help="how ranks join a generation: through their node agent's relay (today; needs --beats "
+        "local) or each through the store (before)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows here (a JSON list)")
     args = parser.parse_args(argv)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -581,6 +625,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             blocking_vote=args.vote != "poll",
             local_beats=args.beats == "local",
             collective_vote=args.vote == "collective",
+            node_join=args.join == "node",
         )
         rows.append(row)
         print(

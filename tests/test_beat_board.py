@@ -235,3 +235,35 @@ def test_the_agents_hang_blame_reads_where_the_ranks_are_from_its_board(board):
     assert agent.local_where([4, 7]) == {4: "peers"} and store.asked == [[7]]
     agent.board = None
     assert agent.local_where([4, 5, 6]) == {4: "running", 6: "peers"}
+
+
+@pytest.mark.timeout(60)
+def test_doorbells_wake_the_agent_and_a_rank_across_processes(board):
+    """A rank process opens the board's doorbells by path: it rings the agent, the agent rings its
+    slot back; a wait with no ring times out; the node record reads as the agent wrote it."""
+    board.write_node("4 3 1")
+    code = (
+        "import sys, time\n"
+        "from ckless_lightning.comm.beat_board import BeatBoard\n"
+        "board = BeatBoard.open(sys.argv[1])\n"
+        "assert board.read_node() == '4 3 1'\n"
+        "assert not board.wait_slot(1, 0.2)  # nothing rang\n"
+        "board.write_request(1, 'join', 5)\n"
+        "board.ring_agent()\n"
+        "start = time.monotonic()\n"
+        "assert board.wait_slot(1, 30)\n"
+        "print(time.monotonic() - start)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, board.path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert board.wait_for_ranks(30)  # the rank rang
+        assert board.read_request(1) == ("join", 5) and board.read_request(0) == ("", -1)
+        board.ring(1)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert float(out) < 5  # woken by the ring, not by its 30 s timeout
+    assert not board.wait_for_ranks(0.05)  # the ring was consumed by the wait

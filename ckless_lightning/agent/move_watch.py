@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from ckless_lightning.comm import JobStore
 
@@ -49,15 +50,25 @@ class MoveWatch:
     it set the key), sets :attr:`moved` and waits on the current one. The agent consumes the event
     with :meth:`take` and sleeps in :meth:`pause`. A store failure ends the thread (printed, unless
     it was stopped): the agent's store passes find the store gone on their own, and still see every
-    move, one ``agent.store_interval`` late at most.
+    move, one ``agent.store_interval`` late at most. ``on_moved`` (None: nothing) is called from the
+    thread at each wake with the generation the job is in (read then: a give-up wakes the watch too,
+    with no move), for the node relay's :meth:`~ckless_lightning.comm.node_relay.JoinRelay.moved`
+    (the ranks' watches learn the move there).
     """
 
     def __init__(
-        self, waiter: JobStore, generation: int, *, recheck_s: float = _RECHECK_S, name: str = "move-watch"
+        self,
+        waiter: JobStore,
+        generation: int,
+        *,
+        recheck_s: float = _RECHECK_S,
+        name: str = "move-watch",
+        on_moved: Callable[[int], None] | None = None,
     ) -> None:
         self.waiter = waiter
         self.generation = generation  # the generation whose move the thread waits for (its own)
         self.recheck_s = recheck_s
+        self.on_moved = on_moved
         self.moved = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -96,10 +107,13 @@ class MoveWatch:
             while not self._stop.is_set():
                 if self.waiter.wait_agents_moved(self.generation, timeout_s=self.recheck_s):
                     self.generation += 1
-                    self.moved.set()
                 elif (current := self.waiter.generation()) > self.generation:
                     self.generation = current  # its mover died before it woke the watches
-                    self.moved.set()
+                else:
+                    continue
+                self.moved.set()
+                if self.on_moved is not None:  # a give-up wakes the watch too: tell it the job's generation
+                    self.on_moved(self.waiter.generation())
         except RuntimeError as err:  # the store is gone (DistNetworkError): the agent finds out itself
             if not self._stop.is_set():
                 print(f"move watch: the job store failed ({type(err).__name__}: {err})", file=sys.stderr)

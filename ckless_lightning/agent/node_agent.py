@@ -64,7 +64,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from torch.distributed import DistNetworkError
@@ -85,6 +85,7 @@ from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped,
 from ckless_lightning.agent.store_look import Look, StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.comm.beat_board import BeatBoard
+from ckless_lightning.comm.node_relay import JoinRelay
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import ExitCode, RankSpec
@@ -167,6 +168,7 @@ class NodeAgent:
         self._spares_due = False  # fill the spare pool once every local rank has done a step
         self._look: StoreLook | None = None  # this agent's passes' look at the store, once it has one
         self._watch: MoveWatch | None = None  # wakes the loop when the job's generation moves
+        self._relay: JoinRelay | None = None  # the node's ranks join generations through it (tiers 3-4)
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -228,9 +230,9 @@ class NodeAgent:
             if self.fork_server is not None:
                 self.fork_server.close()
             self.batch_cache.close()
-            if self.board is not None:
-                self.board.close()
             self._stop_watch(release=is_host)  # (if the job's end did not already)
+            if self.board is not None:  # after the node relay, which uses it
+                self.board.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
 
@@ -247,10 +249,38 @@ class NodeAgent:
             slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
         )
 
+    def _node_relay(self, gen: int) -> JoinRelay | None:
+        """Tiers 3-4 with a heartbeat board: the node's ranks join generations through this agent
+        (``comm/node_relay.py``); None: they join through the store."""
+        if self.board is None or self.job.tier < 3:
+            return None
+        assert self.store is not None
+        return JoinRelay(
+            self.board,
+            ranks=self.local_ranks,
+            world_size=self.cluster.world_size,
+            store=self.store.another_client(),
+            waiter=self.store.another_client(),
+            generation=gen,
+            announce=lambda new: self.events.emit("generation", gen=new, reason="fault"),
+        )
+
+    def ranks_lost(self, ranks: Iterable[int]) -> None:
+        """``ranks`` (local) died: the node relay counts nothing for them until they are started again."""
+        if self._relay is not None:
+            for rank in ranks:
+                self._relay.slot_lost(self.local_ranks.index(rank))
+
     def _stop_watch(self, *, release: bool) -> None:
-        """End the move watch as the agent leaves, before the store connection goes (bounded:
-        :meth:`MoveWatch.stop`). ``release``: the job is over for every agent (or the store closes
-        with this agent, its host): end every agent's watch now."""
+        """End the node relay and the move watch as the agent leaves, before the store connection goes
+        (bounded: :meth:`JoinRelay.stop`, :meth:`MoveWatch.stop`). ``release``: the job is over for
+        every agent (or the store closes with this agent, its host): end every agent's watch now."""
+        if self._relay is not None:
+            try:
+                self._relay.stop()
+            except RuntimeError as err:  # the store failed: the relay's threads end with their connections
+                print(f"[agent{self.node}] could not end the node relay ({err})", file=sys.stderr)
+            self._relay = None
         if self._watch is None:
             return
         try:
@@ -340,8 +370,16 @@ class NodeAgent:
         if gen is None:
             return self._give_up_exit()
         policy = (RestartAll if self.job.tier < 3 else ReplaceFailed)(self, self.store, budget)
-        self._watch = MoveWatch(self.store.another_client(), gen, name=f"agent{self.node}-move-watch")
+        self._relay = self._node_relay(gen)
+        self._watch = MoveWatch(
+            self.store.another_client(),
+            gen,
+            name=f"agent{self.node}-move-watch",
+            on_moved=self._relay.moved if self._relay is not None else None,
+        )
         self._watch.start()
+        if self._relay is not None:
+            self._relay.start()
         self.start_ranks(gen)
         self.refill_spares_later()
         while True:
@@ -578,6 +616,8 @@ class NodeAgent:
             self.store.publish_master_port(gen, master_port)
         else:
             master_port = self.store.master_port(gen)
+        if self._relay is not None:
+            self._relay.slot_started(self.local_ranks.index(rank))
         argv = ["--config", str(self.config_path)]
         spec = RankSpec(
             global_rank=rank,

@@ -403,6 +403,7 @@ class ReplaceFailed(Policy):
         """
         agent = self.agent
         failed = self._failed()
+        agent.ranks_lost(failed)  # before the membership is read: no count for them in flight then
         if self.store.ranks_finished() > 0:
             # A peer passed its last collective (the final save included), so every rank did: a
             # rank lost now was ending. Replacing it would wait in a join barrier nobody else enters.

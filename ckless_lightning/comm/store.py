@@ -512,6 +512,22 @@ class JobStore:
             self._tcp.set(f"gen{gen}/open", "1")
         return joined
 
+    def join_ranks(self, gen: int, ranks: list[int], *, expected: int) -> int:
+        """A node agent counts ``ranks`` (its node's) into generation ``gen``'s join barrier of
+        ``expected`` ranks, their membership with them: two requests for a node
+        (:mod:`~ckless_lightning.comm.node_relay`); returns how many joined so far. Opens the barrier
+        if it fills, as :meth:`join` does."""
+        self._tcp.multi_set([f"member/{rank}" for rank in ranks], [str(gen)] * len(ranks))
+        joined = self._tcp.add(f"gen{gen}/joined", len(ranks))
+        if joined >= expected:
+            self._tcp.set(f"gen{gen}/open", "1")
+        return joined
+
+    def open_barrier(self, gen: int) -> None:
+        """Open generation ``gen``'s join barrier without filling it: every rank waiting in it looks
+        for why (a node agent that leaves while it waits there for its ranks)."""
+        self._tcp.set(f"gen{gen}/open", "1")
+
     def joined(self, gen: int) -> int:
         return self._tcp.add(f"gen{gen}/joined", 0)
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ckless_lightning.comm import Generation, GenerationChanged, JobStore
 from ckless_lightning.comm.beat_board import BoardBeats, HeartbeatWriter
+from ckless_lightning.comm.node_relay import NodeLink
 from ckless_lightning.models import resolve_mesh
 from ckless_lightning.record.events import EventLog
 from ckless_lightning.record.process_memory import reset_peak_rss, rss_bytes
@@ -153,6 +154,8 @@ class InProcessRecovery:
         self.events = events
         self.faults = faults
         self.beats: HeartbeatWriter = self.store if beats is None else beats
+        # Its node agent's relay: joins and generation moves through the agent (comm/node_relay.py)
+        self.link = NodeLink(beats.board, slot=beats.slot) if isinstance(beats, BoardBeats) else None
         # What a waiting step vote blocks in, and the join barrier between generations (never both)
         self._vote_waiter = self.store.another_client()
         self.session = GenerationSession(
@@ -167,6 +170,7 @@ class InProcessRecovery:
             announce=self._announce if events is not None else None,
             elastic=elastic,
             on_standby=self._on_standby,
+            link=self.link,
         )
         self.elastic = elastic
         self.snapshots = snapshots
@@ -442,6 +446,7 @@ class InProcessRecovery:
             on_left_behind=lambda: self._exit_left_behind(gen),
             exit_after_s=self.generation.stuck_exit_s,
             on_moved=lambda store: self._job_left(gen, store),
+            moves=self.link,
         )
         self.watch.start()
 

@@ -14,6 +14,10 @@ Through the job store (:class:`~ckless_lightning.comm.JobStore`):
   ranks. The barrier counts that set; a rank outside it stands by until a generation takes it
   back (or the job ends); a barrier that waits ``agent.replace_timeout`` for a rank with no
   process shrinks the job, and a standby replica that is whole again grows it.
+
+With a node relay (``link``: the rank's slot of its node agent's board, :mod:`~ckless_lightning.comm.
+node_relay`), a rank of a job that is not elastic joins through its agent: the agent writes the
+membership and counts its node's ranks in, once for them all, and tells them when the barrier opens.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 
 from ckless_lightning.comm import Heartbeat, JobStore
 from ckless_lightning.comm.beat_board import HeartbeatWriter
+from ckless_lightning.comm.node_relay import NodeLink
 from ckless_lightning.recovery.commit import GenerationChanged
 from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 
@@ -69,7 +74,8 @@ class GenerationSession:
 
     ``beats``: where this rank's heartbeats go (its slot of the node agent's board; None: ``store``).
     ``waiter``: a store client of this rank's own that the join barrier blocks in (it holds its
-    connection while it waits; None: ``store``).
+    connection while it waits; None: ``store``). ``link``: this rank's end of its node's relay (None:
+    it joins through the store; an elastic job always does).
     ``completed_step`` is the last optimizer step this rank completed (-1 until known); it goes into
     the heartbeats written while waiting, so the agent sees a live rank. ``active`` is the set of job
     ranks training in the generation last joined (all of them unless ``elastic``).
@@ -89,8 +95,10 @@ class GenerationSession:
         on_standby: Callable[[int], None] | None = None,
         beats: HeartbeatWriter | None = None,
         waiter: JobStore | None = None,
+        link: NodeLink | None = None,
     ) -> None:
         self.store = store
+        self.link = link if elastic is None else None
         self.waiter = store if waiter is None else waiter
         self.beats: HeartbeatWriter = store if beats is None else beats  # the node's board, or the store
         self.rank = rank
@@ -114,9 +122,12 @@ class GenerationSession:
         """Leave the current generation (after dropping its process groups); returns the next one.
 
         Moves the job on from ours unless someone already did (compare_set: one
-        new generation per fault, whoever notices first).
+        new generation per fault, whoever notices first); with a node relay, its agent does.
         """
-        current = self.store.generation()
+        # Through the node's agent (no store request of this rank's), unless it does not answer
+        current = self.link.leave(self.generation) if self.link is not None else None
+        if current is None:
+            current = self.store.generation()
         if current == self.generation:
             current = self.store.advance_generation(
                 self.generation, world_size=self.world_size, announce=self._announce
@@ -143,6 +154,15 @@ class GenerationSession:
             current = self.generation if self._just_read else max(self.generation, self.store.generation())
             self._just_read = False
             self.generation = current
+            if self.link is not None:  # the agent writes the membership and counts this rank in
+                self.link.request_join(current)
+                try:
+                    self._wait_relayed(current)
+                except GenerationChanged as changed:  # its agent read the new one, or this rank did
+                    self.generation, self._just_read = max(current, changed.current), True
+                    continue
+                self._on_phase("generation_joined", current)
+                return current
             self.store.set_member(self.rank, current)
             active = self._active(current)
             if self.rank not in active:
@@ -185,23 +205,56 @@ class GenerationSession:
             if now >= deadline:
                 self._give_up_joining(gen, joined, active)
             if woke or now >= next_look:
-                self.beat_recovering(gen)
-                reason = self.store.giveup_reason()
-                if reason is not None:
-                    raise JobGaveUp(reason)
-                if self.store.ranks_finished() > 0:  # it left its last collective as a peer passed it
-                    raise JobFinished(f"rank {self.rank}: the job finished while it joined generation {gen}")
-                if self.elastic is not None:
-                    self._shrink_if_lost(gen, active, silent)
-                current = self.store.generation()
-                if current != gen:
-                    raise GenerationChanged(gen, current, "joining")
+                self._look(gen, active, silent)
                 next_look = now + look_s
             if woke:  # open, not full, and no reason seen yet (its writer's next request is on its way)
                 time.sleep(_REWAKE_S)
             wait_s = max(min(next_look, deadline) - time.monotonic(), 1e-3)
             woke = self.waiter.wait_barrier(gen, timeout_s=wait_s)
             joined = self.store.joined(gen)
+
+    def _wait_relayed(self, gen: int) -> None:
+        """Until every rank joined ``gen``, as the node agent saw it (its node record, rung on each
+        change: no store request). The agent's record also tells a move; a barrier it saw open but
+        not full, and every :data:`_BARRIER_LOOK_S`, this rank looks at the store itself
+        (:meth:`_look`), bounded by ``join_timeout_s`` as the store's barrier is."""
+        assert self.link is not None
+        start = time.monotonic()
+        next_look, deadline = start + _BARRIER_LOOK_S, start + self.join_timeout_s
+        self.beat_recovering(gen)
+        while True:
+            view = self.link.view()
+            if view.barrier == gen and view.full:
+                return
+            if view.moved > gen:
+                raise GenerationChanged(gen, view.moved, "joining")
+            now = time.monotonic()
+            if now >= deadline:
+                self._give_up_joining(gen, self.store.joined(gen))
+            opened = view.barrier >= gen  # not full: a give-up or a finished rank (or a move on its way)
+            if opened or now >= next_look:
+                self._look(gen, tuple(range(self.world_size)), _SilentRanks())
+                next_look = now + _BARRIER_LOOK_S
+            if opened:  # no reason seen yet: its writer's next request is on its way
+                time.sleep(_REWAKE_S)
+            else:
+                self.link.wait(max(min(next_look, deadline) - time.monotonic(), 1e-3))
+
+    def _look(self, gen: int, active: tuple[int, ...], silent: _SilentRanks) -> None:
+        """In ``gen``'s barrier: beat, and raise if the job gave up (:class:`JobGaveUp`), finished
+        (:class:`JobFinished`) or left ``gen`` (:class:`GenerationChanged`; elastic: after shrinking
+        the job without ranks lost meanwhile)."""
+        self.beat_recovering(gen)
+        reason = self.store.giveup_reason()
+        if reason is not None:
+            raise JobGaveUp(reason)
+        if self.store.ranks_finished() > 0:  # it left its last collective as a peer passed it
+            raise JobFinished(f"rank {self.rank}: the job finished while it joined generation {gen}")
+        if self.elastic is not None:
+            self._shrink_if_lost(gen, active, silent)
+        current = self.store.generation()
+        if current != gen:
+            raise GenerationChanged(gen, current, "joining")
 
     # -- elastic -------------------------------------------------------------------------------------
     def _shrink_if_lost(self, gen: int, active: tuple[int, ...], silent: _SilentRanks) -> None:

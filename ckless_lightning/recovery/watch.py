@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from ckless_lightning.comm import JobStore
 from ckless_lightning.recovery.where import where_is
@@ -51,6 +52,15 @@ __all__ = ["GenerationWatch"]
 # waking the watches is the only way to miss a wake-up) and waits again.
 _RECHECK_S = 600.0
 _SAMPLE_S = 0.25  # after the cut: how often the watch looks where the main thread is
+
+
+class MoveSignal(Protocol):
+    """Where a watch learns the job left its generation: the job store (a key per rank) or the
+    rank's node relay (:class:`~ckless_lightning.comm.node_relay.NodeLink`)."""
+
+    def wait_moved(self, gen: int, rank: int, *, timeout_s: float) -> bool: ...
+
+    def release_watch(self, gen: int, rank: int) -> None: ...
 
 
 class GenerationWatch:
@@ -65,6 +75,9 @@ class GenerationWatch:
     ``on_moved`` (None: nothing): called from the thread with ``waiter`` as soon as the job has
     left the generation, before the grace (the step vote's :meth:`~ckless_lightning.recovery.
     commit.StepCommit.job_left`: a rank waiting in the vote leaves at once, without a cut).
+    ``moves`` (None: the store): what the thread waits on for the move, and :meth:`stop` releases:
+    the rank's :class:`~ckless_lightning.comm.node_relay.NodeLink` (its node agent tells it the move:
+    no pending request of the rank's own in the store).
     """
 
     def __init__(
@@ -80,9 +93,12 @@ class GenerationWatch:
         on_left_behind: Callable[[], None] | None = None,
         exit_after_s: float = 10.0,
         on_moved: Callable[[JobStore], None] | None = None,
+        moves: MoveSignal | None = None,
     ) -> None:
         self.store = store
         self.waiter = waiter
+        self.moves: MoveSignal = waiter if moves is None else moves
+        self._releases: MoveSignal = store if moves is None else moves
         self.generation = generation
         self.rank = rank
         self.on_stuck = on_stuck
@@ -105,12 +121,12 @@ class GenerationWatch:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             if not self._woken:  # its wait still pends in the store: end it (once woken, the key is there)
-                self.store.release_watch(self.generation, self.rank)
+                self._releases.release_watch(self.generation, self.rank)
             self._thread.join()
 
     def _run(self) -> None:
         try:
-            while not self.waiter.wait_moved(self.generation, self.rank, timeout_s=self.recheck_s):
+            while not self.moves.wait_moved(self.generation, self.rank, timeout_s=self.recheck_s):
                 if self._stop.is_set() or self.waiter.generation() > self.generation:
                     break
             self._woken = True
@@ -139,9 +155,9 @@ class GenerationWatch:
             print(f"generation watch {self.generation}: the job store failed ({err})", file=sys.stderr)
 
     def _stopped_within(self, seconds: float) -> bool:
-        """Beat every ``_SAMPLE_S`` for ``seconds``; True as soon as the rank starts leaving."""
+        """Beat every ``_SAMPLE_S`` for ``seconds``, the first after one; True as soon as the rank starts
+        leaving (most do within milliseconds of a move: no beat then)."""
         end = time.monotonic() + seconds
-        self._beat()
         while (left := end - time.monotonic()) > 0:
             if self._stop.wait(min(_SAMPLE_S, left)):
                 return True
