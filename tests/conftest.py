@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,6 +114,9 @@ def left_behind_ranks(run_dir: Path) -> set[int]:
     return ranks
 
 
+_CUT = re.compile(r"still in generation (\d+) after the job moved on: cutting its connections")
+
+
 def uncut_ranks(run_dir: Path) -> set[int]:
     """Ranks a generation watch cut because the job moved on without them, and that the cut did not
     free: they exited left behind (:func:`left_behind_ranks`), or their agent killed them as hung
@@ -122,12 +126,19 @@ def uncut_ranks(run_dir: Path) -> set[int]:
     from ckless_lightning.record.events import read_events
 
     events = read_events(run_dir / "events.jsonl")
-    hung = {e["rank"] for e in events if e["kind"] == "fault_detected" and e.get("reason") == "hang"}
-    cut = set()
+    hung = [
+        (e["rank"], e["gen"]) for e in events if e["kind"] == "fault_detected" and e.get("reason") == "hang"
+    ]
+    cut: dict[int, list[int]] = {}  # rank -> the generations its watch cut it in
     for log in (run_dir / "rank_logs").glob("rank*.log"):
-        if "after the job moved on: cutting its connections" in log.read_text(errors="replace"):
-            cut.add(int(log.stem.removeprefix("rank")))
-    return left_behind_ranks(run_dir) | (cut & hung)
+        found = _CUT.findall(log.read_text(errors="replace"))
+        if found:
+            cut[int(log.stem.removeprefix("rank"))] = [int(gen) for gen in found]
+    # Killed as hung after a cut: in a later generation than the cut's (the job had moved on). A
+    # planned hang of the same rank in an earlier generation is not the cut's.
+    return left_behind_ranks(run_dir) | {
+        rank for rank, gen in hung if any(gen > c for c in cut.get(rank, []))
+    }
 
 
 def rows_besides_left_behind(names: list[str], run_dir: Path) -> list[str]:
