@@ -72,7 +72,7 @@ from ckless_lightning.agent.move_watch import MoveWatch  # noqa: E402
 from ckless_lightning.agent.store_look import StoreLook  # noqa: E402
 from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore  # noqa: E402
 from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats, HeartbeatWriter  # noqa: E402
-from ckless_lightning.comm.node_relay import JoinRelay, NodeLink  # noqa: E402
+from ckless_lightning.comm.node_relay import JoinRelay, NodeLink, NodeView  # noqa: E402
 from ckless_lightning.comm.store import connect_store  # noqa: E402
 from ckless_lightning.recovery.commit import StepCommit  # noqa: E402
 from ckless_lightning.recovery.session import GenerationSession  # noqa: E402
@@ -169,6 +169,9 @@ class Row:
     vote_p99_s: float
     agent_look_p50_s: float
     recovery_s: float
+    # --join node: from the fault to the last node agent seeing the next generation's barrier full (the
+    # store's part of a recovery; what is left is each node waking its own ranks). None: --join store
+    recovery_store_s: float | None
     recovery_store_requests: int
     recovery_store_requests_per_node: float
     recovery_requests_by_kind: dict[str, float]  # per rank, from the fault to every rank joined
@@ -200,6 +203,7 @@ class Job:
     looks: list[float] = field(default_factory=list)
     step_started: dict[int, float] = field(default_factory=dict)  # step -> first rank's monotonic start
     joined_after_fault: dict[int, float] = field(default_factory=dict)  # rank -> monotonic join time
+    barrier_full: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # node -> (gen, time)
     fault_at: float | None = None
     fault_counts: Counter[str] | None = None
     recovered_counts: Counter[str] | None = None  # once every rank joined the next generation
@@ -430,6 +434,7 @@ class SimAgent(threading.Thread):
                 store=job.client(agent=True),
                 waiter=job.client(agent=True),
                 generation=0,
+                on_view=self._seen,
             )
         self.watch = MoveWatch(
             job.client(agent=True),
@@ -477,6 +482,11 @@ class SimAgent(threading.Thread):
                 self.relay.stop()
             self.watch.stop(release=self.store)
 
+    def _seen(self, view: NodeView) -> None:
+        """The relay's node record changed: when it says a barrier opened full, note the time."""
+        if view.full:
+            self.job.barrier_full.setdefault(self.node, []).append((view.barrier, time.monotonic()))
+
     def _first_beat(self, rank: int, gen: int) -> None:
         """The beat NodeAgent.start_rank writes for a rank it starts: to the store and the board."""
         beat = Heartbeat(gen, -1, time.time())
@@ -484,6 +494,16 @@ class SimAgent(threading.Thread):
         if self.board is not None:
             self.board.write(rank % self.job.per_node, beat, by_agent=True)
             self.look.published(rank, beat)
+
+
+def _store_phase(job: Job) -> float | None:
+    """From the fault to the last node agent seeing the barrier of the generation every rank joined
+    after it open full (--join node; None with --join store, where the ranks wait themselves)."""
+    if not job.node_join:
+        return None
+    assert job.fault_at is not None
+    last = max(gen for times in job.barrier_full.values() for gen, _ in times)
+    return max(t for times in job.barrier_full.values() for gen, t in times if gen == last) - job.fault_at
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -571,6 +591,7 @@ def simulate(
         vote_p99_s=_percentile(steady_votes, 0.99),
         agent_look_p50_s=_percentile(job.looks, 0.5),
         recovery_s=recovered_at - job.fault_at,
+        recovery_store_s=_store_phase(job),
         recovery_store_requests=recovery_requests,
         recovery_store_requests_per_node=recovery_requests / job.nodes,
         recovery_requests_by_kind={k: v / world for k, v in sorted(recovery_counts.items())},
@@ -644,7 +665,7 @@ def _table(rows: list[Row]) -> str:
     head = (
         f"{'ranks':>6} {'nodes':>5} {'req/rank-step':>13} {'ranks':>6} {'agents/s':>8} {'req/s':>7} "
         f"{'vote p50':>9} {'vote p99':>9} "
-        f"{'look p50':>9} {'recovery':>9} {'rec. req':>9} {'req/node':>9} {'sim cpu':>8}"
+        f"{'look p50':>9} {'recovery':>9} {'of it store':>11} {'rec. req':>9} {'req/node':>9} {'sim cpu':>8}"
     )
     lines = [head]
     for r in rows:
@@ -652,12 +673,14 @@ def _table(rows: list[Row]) -> str:
             f"{r.ranks:>6} {r.nodes:>5} {r.store_requests_per_rank_step:>13.2f} "
             f"{r.rank_requests_per_rank_step:>6.2f} {r.agent_requests_per_node_s:>8.2f} "
             f"{r.store_requests_per_s:>7.0f} {r.vote_p50_s * 1e3:>7.1f}ms {r.vote_p99_s * 1e3:>7.1f}ms "
-            f"{r.agent_look_p50_s * 1e3:>7.2f}ms {r.recovery_s:>8.2f}s {r.recovery_store_requests:>9} "
+            f"{r.agent_look_p50_s * 1e3:>7.2f}ms {r.recovery_s:>8.2f}s {_seconds(r.recovery_store_s):>11} "
+            f"{r.recovery_store_requests:>9} "
             f"{r.recovery_store_requests_per_node:>9.1f} {r.sim_cpu_s:>8.2f}"
         )
     lines.append(
         "(req/rank-step: every request; of them, 'ranks': the ranks' own per rank-step, 'agents/s': the node"
-        " agents' per node and second)"
+        " agents' per node and second; 'of it store': the fault to the last node agent seeing the next"
+        " barrier full, the rest is each node waking its ranks)"
     )
     kinds = sorted({k for r in rows for k in r.requests_by_kind})
     lines.append("")
@@ -671,6 +694,10 @@ def _table(rows: list[Row]) -> str:
         by_kind = r.recovery_requests_by_kind
         lines.append(f"{r.ranks:>6}: " + "  ".join(f"{k} {by_kind.get(k, 0):.2f}" for k in kinds))
     return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
 
 
 if __name__ == "__main__":

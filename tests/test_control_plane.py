@@ -42,6 +42,8 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     assert row["agent_requests_per_node_s"] >= 0
     assert 0 < row["vote_p50_s"] <= row["vote_p99_s"]
     assert 0 < row["recovery_s"] < 30 and row["recovery_store_requests"] > 16
+    # Through the node relays (the default): the store's part ends when the last agent saw the barrier
+    assert 0 < row["recovery_store_s"] <= row["recovery_s"]
     assert "req/rank-step" in run.stdout
 
     model = subprocess.run(

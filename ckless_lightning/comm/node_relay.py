@@ -146,9 +146,10 @@ class JoinRelay:
     ``ranks``: the job rank in each slot; ``store``: a client of the agent's for the counting (its
     requests are the relay thread's only); ``waiter``: a client of its own the barrier thread blocks
     in; ``generation``: the job's generation as the agent starts; ``announce``: called with the new
-    generation when this relay moved the job first, job-wide (the ``generation`` event). ``start``
-    once; ``stop`` as the agent leaves. :meth:`moved`, :meth:`slot_lost` and :meth:`slot_started` come
-    from the agent's threads.
+    generation when this relay moved the job first, job-wide (the ``generation`` event); ``on_view``:
+    called with each node record it writes, from the thread that wrote it (the lock held: it must
+    not call back into the relay). ``start`` once; ``stop`` as the agent leaves. :meth:`moved`,
+    :meth:`slot_lost` and :meth:`slot_started` come from the agent's threads.
     """
 
     def __init__(
@@ -161,9 +162,11 @@ class JoinRelay:
         waiter: JobStore,
         generation: int,
         announce: Callable[[int], None] | None = None,
+        on_view: Callable[[NodeView], None] | None = None,
     ) -> None:
         assert len(ranks) == board.slots, (ranks, board.slots)
         self.announce = announce
+        self.on_view = on_view
         self.board = board
         self.ranks = ranks
         self.world_size = world_size
@@ -301,3 +304,5 @@ class JoinRelay:
         self.board.write_node(self._view.encode())
         for slot in range(self.board.slots):
             self.board.ring(slot)
+        if self.on_view is not None:
+            self.on_view(self._view)
