@@ -2,7 +2,7 @@
 of this script.
 
     python bench/recovery.py [--recipe llama3_tiny] [--steps 30] [--every 10] [--fault-step 25]
-                             [--skip-torchrun] [--skip-two-nodes] [--node-timeout 5]
+                             [--skip-torchrun] [--skip-two-nodes] [--node-timeout 5] [--set KEY=VALUE]
 
 Every fault row trains the same recipe on 4 local ranks with a checkpoint every
 ``--every`` steps and one SIGKILL of rank 1 in the forward of step
@@ -110,7 +110,8 @@ def job_overrides(args: argparse.Namespace, *, fault: bool = True) -> list[str]:
         f"trainer.max_steps={args.steps}",
         f"checkpoint.every_n_steps={args.every}",
         "trainer.enable_progress_bar=false",
-        *(faults if fault else ["fault=none"]),
+        *args.set,
+        *(faults if fault else ["fault=none"]),  # last: two_node_overrides drops "fault=none"
     ]
 
 
@@ -606,6 +607,13 @@ def main() -> None:
     parser.add_argument("--skip-two-nodes", action="store_true", help="leave the two-node rows out (~2 min)")
     parser.add_argument(
         "--node-timeout", type=float, default=5.0, help="agent.node_timeout of the two-node rows"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every job (repeatable), e.g. trainer.warm_first_step=false",
     )
     args = parser.parse_args()
 
