@@ -289,9 +289,11 @@ class MemoryRestore:
 
         helper = threading.Thread(target=transfer, name="tier4-transfer", daemon=True)
         helper.start()
-        self.warmed = warm_optimizer_step(optimizers)
-        done.acquire()  # a C lock: the innermost Python frame stays this one (``peers``)
-        helper.join()
+        try:
+            self.warmed = warm_optimizer_step(optimizers)
+        finally:  # whatever the warm-up did, the transfer in flight is waited for, never left behind
+            done.acquire()  # a C lock: the innermost Python frame stays this one (``peers``)
+            helper.join()
         self._emit(
             "rank_phase",
             phase="first_step_warmed",
