@@ -31,7 +31,7 @@ class Node:
     """A node agent's part of the relay, in this process: its board, relay and move watch, with the
     relay's two store clients counted."""
 
-    def __init__(self, host: JobStore, ranks: list[int], world: int) -> None:
+    def __init__(self, host: JobStore, ranks: list[int], world: int, *, start: bool = True) -> None:
         self.ranks = ranks
         self.board = BeatBoard.create(len(ranks))
         self.store, self.counts = counted_client(host)
@@ -41,9 +41,10 @@ class Node:
         )
         self.watch = MoveWatch(host.another_client(), 0, on_moved=self.relay.moved)
         self.watch.start()
-        self.relay.start()
         for slot in range(len(ranks)):
             self.relay.slot_started(slot)
+        if start:
+            self.relay.start()
 
     def session(self, host: JobStore, rank: int, world: int) -> tuple[GenerationSession, list[str]]:
         """A rank of this node joining through the relay; the list of its own store requests."""
@@ -76,8 +77,8 @@ def host():
 def nodes(host):
     made: list[Node] = []
 
-    def make(ranks: list[int], world: int) -> Node:
-        made.append(Node(host, ranks, world))
+    def make(ranks: list[int], world: int, *, start: bool = True) -> Node:
+        made.append(Node(host, ranks, world, start=start))
         return made[-1]
 
     yield make
@@ -101,9 +102,27 @@ def _join_all(sessions: list[GenerationSession]) -> list[int]:
 @pytest.mark.timeout(60)
 def test_a_node_counts_its_ranks_in_with_two_requests_and_waits_with_two(host, nodes):
     world = 6
-    a, b = nodes([0, 1, 2], world), nodes([3, 4, 5], world)
+    a, b = nodes([0, 1, 2], world, start=False), nodes([3, 4, 5], world, start=False)
     joining = [node.session(host, r, world) for node in (a, b) for r in node.ranks]
-    assert _join_all([s for s, _ in joining]) == [0] * world
+    out: dict[int, int] = {}
+    threads = [
+        threading.Thread(target=lambda s=s: out.__setitem__(s.rank, s.join()), daemon=True)
+        for s, _ in joining
+    ]
+    for thread in threads:
+        thread.start()
+    # Every rank asked before the agents serve (on a loaded host a node's ranks may ask further apart
+    # than the relay's 20 ms gathering: then it counts them in two rounds, which is right too)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not all(
+        node.board.read_request(slot) == ("join", 0) for node in (a, b) for slot in range(3)
+    ):
+        time.sleep(0.02)
+    for node in (a, b):
+        node.relay.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert out == dict.fromkeys(range(world), 0)
     # Each rank: its first join reads the job's generation, nothing more (a leave reads it already)
     assert [calls for _, calls in joining] == [["add"]] * world
     # Each node: the ranks' membership and their count (the last node also opens the barrier); one
@@ -155,10 +174,15 @@ def test_a_rank_waits_until_the_barrier_fills_and_follows_a_move_without_store_r
     out: dict = {}
     thread = threading.Thread(target=lambda: out.setdefault("gen", session.join()), daemon=True)
     thread.start()
+    deadline = time.monotonic() + 10
+    while a.board.read_request(0) != ("join", 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
     time.sleep(1.0)
     assert thread.is_alive() and calls == ["add"]  # it waits on its doorbell, not in the store
     host.advance_generation(0, world_size=world)  # another fault: generation 0 never fills
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while host.joined(1) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert thread.is_alive() and host.joined(1) == 1  # it followed the move, counted in by the relay
     late = host.another_client()
     assert GenerationSession(late, rank=1, world_size=world, generation=1, join_timeout_s=30.0).join() == 1
@@ -179,10 +203,9 @@ def test_a_generation_watch_learns_the_move_from_the_relay(host, nodes):
     time.sleep(0.5)
     moved_at = time.monotonic()
     host.advance_generation(0, world_size=world)
-    while not watch.moved and time.monotonic() - moved_at < 5:
+    while not watch.moved and time.monotonic() - moved_at < 10:
         time.sleep(0.01)
-    assert watch.moved, "the move did not reach the watch"
-    assert time.monotonic() - moved_at < 1.0
+    assert watch.moved, "the move did not reach the watch"  # (its own recheck would be 600 s away)
     watch.stop()
     assert "wait" not in waits.calls  # no pending request of the rank's own in the store
     # A watch stopped before any move ends at once, through its own doorbell
@@ -191,7 +214,7 @@ def test_a_generation_watch_learns_the_move_from_the_relay(host, nodes):
     time.sleep(0.2)
     stopped_at = time.monotonic()
     quiet.stop()
-    assert time.monotonic() - stopped_at < 1.0 and not quiet.moved
+    assert time.monotonic() - stopped_at < 5.0 and not quiet.moved  # not its 600 s recheck
 
 
 def _rank_process(port: int, world: int, rank: int, board: BeatBoard, slot: int) -> subprocess.Popen:
