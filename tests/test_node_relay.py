@@ -20,7 +20,7 @@ from ckless_lightning.agent.move_watch import MoveWatch
 from ckless_lightning.comm import JobStore
 from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats
 from ckless_lightning.comm.node_relay import JoinRelay, NodeLink, NodeView
-from ckless_lightning.recovery.session import GenerationSession
+from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
 from ckless_lightning.recovery.watch import GenerationWatch
 
 SECRET = "node-relay-test-secret-0123456789"
@@ -190,6 +190,35 @@ def test_a_rank_waits_until_the_barrier_fills_and_follows_a_move_without_store_r
     assert out["gen"] == 1
     assert calls.count("add") == 1 and "wait" not in calls  # the move came through its agent's record
     assert NodeLink(a.board, slot=0).view() == NodeView(moved=1, barrier=1, full=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["give_up", "finished"])
+def test_a_give_up_or_a_finished_job_ends_a_relayed_wait(host, nodes, end):
+    world = 2
+    a = nodes([0], world)
+    session, _ = a.session(host, 0, world)
+    errors: dict = {}
+
+    def run() -> None:
+        try:
+            session.join()
+        except (JobGaveUp, JobFinished) as err:
+            errors["err"], errors["at"] = err, time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while host.joined(0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ended_at = time.monotonic()
+    if end == "give_up":
+        host.give_up("fault budget spent")
+    else:
+        host.mark_rank_finished(1)  # (it opens the generation's barrier)
+    thread.join(timeout=20)
+    assert isinstance(errors.get("err"), JobGaveUp if end == "give_up" else JobFinished), errors
+    assert errors["at"] - ended_at < 4.0  # woken by its agent's record, not its look 5 s later
 
 
 @pytest.mark.timeout(60)

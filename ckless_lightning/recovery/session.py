@@ -222,6 +222,7 @@ class GenerationSession:
         start = time.monotonic()
         next_look, deadline = start + _BARRIER_LOOK_S, start + self.join_timeout_s
         self.beat_recovering(gen)
+        rewake_s = _REWAKE_S
         while True:
             view = self.link.view()
             if view.barrier == gen and view.full:
@@ -235,8 +236,9 @@ class GenerationSession:
             if opened or now >= next_look:
                 self._look(gen, tuple(range(self.world_size)), _SilentRanks())
                 next_look = now + _BARRIER_LOOK_S
-            if opened:  # no reason seen yet: its writer's next request is on its way
-                time.sleep(_REWAKE_S)
+            if opened:  # no reason seen yet: its writer's next request is on its way; then less often
+                time.sleep(rewake_s)  # (an agent that left opened it: the job moves on in node_timeout)
+                rewake_s = min(2 * rewake_s, _BARRIER_LOOK_S)
             else:
                 self.link.wait(max(min(next_look, deadline) - time.monotonic(), 1e-3))
 
