@@ -17,8 +17,8 @@ agent talks to the store once for them all:
   :data:`_GATHER_S`) and counts them in with one ``multi_set`` of their membership and one ``add``
   (:meth:`~ckless_lightning.comm.JobStore.join_ranks`; the last node to count opens the barrier);
 - one thread of the agent waits for the barrier to open (one pending request per node), reads the
-  count once, and writes what it saw into the node record (:class:`NodeView`): ``g`` opened, full or
-  not; then rings every slot;
+  count once (and, if the barrier is not full, the job's generation), and writes what it saw into the
+  node record (:class:`NodeView`): ``g`` opened, full or not; then rings every slot;
 - the agent's :class:`~ckless_lightning.agent.move_watch.MoveWatch` (one pending request per node)
   writes each generation move into the node record too (:meth:`JoinRelay.moved`), which is what the
   ranks' generation watches wait on (:meth:`NodeLink.wait_moved`) instead of a key each in the store.
@@ -289,10 +289,13 @@ class JoinRelay:
                 if not self.waiter.wait_barrier(gen, timeout_s=_RECHECK_S):
                     continue  # still closed: wait again (each end of the barrier opens it)
                 full = self.waiter.joined(gen) >= self.world_size
+                # Not full: opened by a move (set with the move watch's key: tell it here too, or the
+                # ranks would look at the store for why), a give-up or a finished rank
+                current = self.waiter.generation() if not full else gen
                 with self._lock:
                     self._waiting = -1
                     if gen > self._view.barrier:
-                        self._view = NodeView(self._view.moved, gen, full)
+                        self._view = NodeView(max(self._view.moved, current), gen, full)
                         self._publish()
                 seen = gen
         except RuntimeError as err:  # the store is gone: the agent's store passes find out themselves
