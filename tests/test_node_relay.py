@@ -111,8 +111,8 @@ def test_a_node_counts_its_ranks_in_with_two_requests_and_waits_with_two(host, n
     ]
     for thread in threads:
         thread.start()
-    # Every rank asked before the agents serve (on a loaded host a node's ranks may ask further apart
-    # than the relay's 20 ms gathering: then it counts them in two rounds, which is right too)
+    # Every rank asked before the agents serve (a node's ranks asking further apart than the relay's
+    # gathering would be counted in two rounds, which is right too)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not all(
         node.board.read_request(slot) == ("join", 0) for node in (a, b) for slot in range(3)
@@ -123,15 +123,20 @@ def test_a_node_counts_its_ranks_in_with_two_requests_and_waits_with_two(host, n
     for thread in threads:
         thread.join(timeout=20)
     assert out == dict.fromkeys(range(world), 0)
-    # Each rank: its first join reads the job's generation, nothing more (a leave reads it already)
-    assert [calls for _, calls in joining] == [["add"]] * world
-    # Each node: the ranks' membership and their count (the last node also opens the barrier); one
-    # wait for the barrier and one count read after it; all ranks of a node counted at once
+    # No rank went to the store: its first join reads the generation off its agent's node record
+    assert [calls for _, calls in joining] == [[]] * world
+    # Each node: the ranks' membership and their count, all ranks of a node counted at once; the node
+    # that filled the barrier opens it and knows it full (no wait); the other waits for it once and
+    # reads the count once
+    filled = [node for node in (a, b) if "set" in node.counts.calls]
+    assert len(filled) == 1, [node.counts.calls for node in (a, b)]
     for node in (a, b):
-        assert sorted(node.counts.calls) in (["add", "multi_set"], ["add", "multi_set", "set"]), (
-            node.counts.calls
-        )
-        assert node.waits.calls == ["wait", "add"], node.waits.calls
+        if node in filled:
+            assert sorted(node.counts.calls) == ["add", "multi_set", "set"], node.counts.calls
+            assert node.waits.calls == [], node.waits.calls
+        else:
+            assert sorted(node.counts.calls) == ["add", "multi_set"], node.counts.calls
+            assert node.waits.calls == ["wait", "add"], node.waits.calls
     assert host.joined(0) == world
     assert {host.member(r) for r in range(world)} == {0}
     assert all(b.board.read(slot).phase == "recovery" for slot in range(3))  # beats go to the board
@@ -178,7 +183,7 @@ def test_a_rank_waits_until_the_barrier_fills_and_follows_a_move_without_store_r
     while a.board.read_request(0) != ("join", 0) and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(1.0)
-    assert thread.is_alive() and calls == ["add"]  # it waits on its doorbell, not in the store
+    assert thread.is_alive() and calls == []  # it waits on its doorbell, not in the store
     host.advance_generation(0, world_size=world)  # another fault: generation 0 never fills
     deadline = time.monotonic() + 10
     while host.joined(1) < 1 and time.monotonic() < deadline:
@@ -188,7 +193,7 @@ def test_a_rank_waits_until_the_barrier_fills_and_follows_a_move_without_store_r
     assert GenerationSession(late, rank=1, world_size=world, generation=1, join_timeout_s=30.0).join() == 1
     thread.join(timeout=10)
     assert out["gen"] == 1
-    assert calls.count("add") == 1 and "wait" not in calls  # the move came through its agent's record
+    assert "wait" not in calls  # the move came through its agent's record (a look every 5 s aside)
     assert NodeLink(a.board, slot=0).view() == NodeView(moved=1, barrier=1, full=True)
 
 

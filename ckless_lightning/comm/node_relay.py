@@ -51,7 +51,10 @@ from ckless_lightning.comm.store import JobStore
 
 __all__ = ["JoinRelay", "NodeLink", "NodeView"]
 
-_GATHER_S = 0.02  # after a first request, how long the relay waits for the node's other ranks' own
+# After a first join request, how long the relay waits for the node's other ranks' own: at most this
+# long, as the barrier cannot fill without them anyway (a node's ranks notice a fault within
+# milliseconds of each other; in bench/control_plane.py's one process, within up to ~1.5 s at 1,024)
+_GATHER_S = 2.0
 LEAVE_WAIT_S = 2.0  # a rank's wait for its agent to answer a leave; then it reads the store itself
 _IDLE_S = 1.0  # the relay thread's wait for a ring, between looks at its stop flag
 _RECHECK_S = 600.0  # the barrier thread's wait; the barrier opens on every end of it (see session.py)
@@ -244,12 +247,23 @@ class JoinRelay:
                 print(f"join relay: the job store failed ({type(err).__name__}: {err})", file=sys.stderr)
 
     def _gather(self) -> None:
-        """After a first join request: until every slot asked the same, or :data:`_GATHER_S` (a node's
-        ranks join within milliseconds of each other). A leave is answered at once."""
+        """After a first join request: until every slot asked to join the same generation (a lost
+        slot too: the barrier waits for its replacement anyway), or :data:`_GATHER_S`; then the node
+        is counted in one round. A leave the job has not answered yet is served at once (a leave
+        already answered by a move is old news: it does not cut the gathering short)."""
         deadline = time.monotonic() + _GATHER_S
-        while (left := deadline - time.monotonic()) > 0:
+        while True:
             asked = [self.board.read_request(slot) for slot in range(self.board.slots)]
-            if len(set(asked)) == 1 or any(op == "leave" for op, _ in asked):
+            with self._lock:
+                moved = self._view.moved
+                counted = list(self._counted)
+            uncounted = [gen for slot, (op, gen) in enumerate(asked) if op == "join" and gen > counted[slot]]
+            if any(op == "leave" and gen >= moved for op, gen in asked) or not uncounted:
+                return
+            if all(request == ("join", max(uncounted)) for request in asked):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return
             self.board.wait_for_ranks(left)
 
@@ -267,9 +281,14 @@ class JoinRelay:
                 by_gen.setdefault(gen, []).append(slot)
         for gen in sorted(by_gen):
             slots = by_gen[gen]
-            self.store.join_ranks(gen, [self.ranks[slot] for slot in slots], expected=self.world_size)
+            ranks = [self.ranks[slot] for slot in slots]
+            joined = self.store.join_ranks(gen, ranks, expected=self.world_size)
             for slot in slots:
                 self._counted[slot] = gen
+            if joined >= self.world_size and gen > self._view.barrier:
+                # This node filled it (and opened it): full, with no wait for it or read of its count
+                self._view = NodeView(max(self._view.moved, gen), gen, True)
+                self._publish()
             if gen > self._target:
                 self._target = gen
                 self._wake.notify_all()
@@ -285,7 +304,11 @@ class JoinRelay:
                         continue  # nothing new to wait for: look at the stop flag again
                     if self._stop.is_set():
                         return
-                    gen = self._waiting = self._target
+                    gen = self._target
+                    if self._view.barrier >= gen:  # seen open already (this node filled it)
+                        seen = gen
+                        continue
+                    self._waiting = gen
                 if not self.waiter.wait_barrier(gen, timeout_s=_RECHECK_S):
                     continue  # still closed: wait again (each end of the barrier opens it)
                 full = self.waiter.joined(gen) >= self.world_size

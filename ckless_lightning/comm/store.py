@@ -281,14 +281,16 @@ class JobStore:
         """
         current = int(self._tcp.compare_set("gen", str(seen), str(seen + 1)))
         if current == seen + 1:
-            if restart:
-                self._tcp.set(f"restart/{seen + 1}", f"{time.time():.6f}")
             wake = [
                 *(f"gen{seen}/moved/{r}" for r in range(world_size)),
                 f"gen{seen}/moved/agents",
                 f"gen{seen}/open",  # ranks waiting in its join barrier: it will never fill
             ]
-            self._tcp.multi_set(wake, ["1"] * len(wake))
+            values = ["1"] * len(wake)
+            if restart:  # in the same request, first: whoever sees the wake-up finds the restart time
+                wake.insert(0, f"restart/{seen + 1}")
+                values.insert(0, f"{time.time():.6f}")
+            self._tcp.multi_set(wake, values)
             if self._tcp.add(f"announced/{current}", 1) == 1 and announce is not None:
                 announce(current)
         return current
