@@ -83,3 +83,24 @@ def test_sever_cuts_every_connection_but_the_kept_port_while_others_churn():
         if holder.is_alive():
             holder.kill()
             holder.join(10)
+
+
+def test_sever_connections_to_frees_a_store_request_blocked_in_another_thread():
+    """What a fenced agent that gives up does: its main thread, blocked on the job store, fails at
+    once (``DistNetworkError``) instead of after the connection's timeout."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import DistNetworkError, TCPStore
+
+    from ckless_lightning.recovery.sever import sever_connections_to
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=120))
+    cut = threading.Timer(0.5, sever_connections_to, args=("127.0.0.1", server.port))
+    cut.start()
+    began = time.monotonic()
+    with pytest.raises(DistNetworkError):
+        client.wait(["never"], timedelta(seconds=60))
+    assert time.monotonic() - began < 30
+    cut.join()

@@ -63,6 +63,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -82,11 +83,13 @@ from ckless_lightning.agent.policies import (
     silence_limit,
 )
 from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped, reap
+from ckless_lightning.agent.store_lease import NodeFenced, StoreLease
 from ckless_lightning.agent.store_look import Look, StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.comm.beat_board import BeatBoard
 from ckless_lightning.comm.node_relay import JoinRelay
 from ckless_lightning.record.events import EventLog
+from ckless_lightning.recovery.sever import sever_connections_to
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import ExitCode, RankSpec
 from ckless_lightning.runtime.faults import FaultSpec
@@ -95,6 +98,7 @@ from ckless_lightning.runtime.outside_faults import ChaosInjector, OutsideFaultI
 __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
 
 EXIT_FAULT_BUDGET = ExitCode.FAULT_BUDGET
+_GIVE_UP_GRACE_S = 30.0  # after a fenced agent gave up, for its main thread to leave on its own
 
 
 def _free_port(host: str) -> int:
@@ -169,6 +173,7 @@ class NodeAgent:
         self._look: StoreLook | None = None  # this agent's passes' look at the store, once it has one
         self._watch: MoveWatch | None = None  # wakes the loop when the job's generation moves
         self._relay: JoinRelay | None = None  # the node's ranks join generations through it (tiers 3-4)
+        self._lease: StoreLease | None = None  # a store silent for agent.fence_after: the ranks stop
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -199,6 +204,9 @@ class NodeAgent:
         self.store_port = self.store.port
         self._attach_store(self.store)
         self.store.set_node_owner(self.node, self.agent_id)
+        if not is_host:  # a store in this process answers as long as the agent lives
+            self._lease = self._store_lease(self.store)
+            self._lease.start()
         if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
             self.events.emit(
                 "job_start",
@@ -230,6 +238,8 @@ class NodeAgent:
             if self.fork_server is not None:
                 self.fork_server.close()
             self.batch_cache.close()
+            if self._lease is not None:
+                self._lease.stop()
             self._stop_watch(release=is_host)  # (if the job's end did not already)
             if self.board is not None:  # after the node relay, which uses it
                 self.board.close()
@@ -248,6 +258,74 @@ class NodeAgent:
             board=self.board,
             slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
         )
+
+    def _store_lease(self, store: JobStore) -> StoreLease:
+        """This agent's lease on its node (``agent/store_lease.py``): pinged on a connection of its own
+        whose requests wait at most ``agent.store_interval`` twice."""
+        client: list[JobStore] = []
+
+        def ping() -> None:
+            if not client:
+                client.append(store.another_client(timeout_s=2 * self.cfg.store_interval))
+            try:
+                client[0].generation()
+            except BaseException:
+                client.clear()  # a request that timed out may answer late: a fresh connection next time
+                raise
+
+        assert self.cfg.fence_after is not None
+        return StoreLease(
+            ping,
+            fence_after_s=self.cfg.fence_after,
+            give_up_after_s=self.cfg.fence_after + 2 * self.cfg.node_timeout,
+            interval_s=self.cfg.store_interval,
+            on_fence=self._fence,
+            on_give_up=self._fenced_give_up,
+        )
+
+    def _fence(self, silent_s: float) -> None:
+        """The lease ran out (on its thread): kill this node's ranks before the job counts the node as
+        lost, so that no rank of it trains on in a generation the job left. The agent's next store pass
+        decides what follows (``agent/store_lease.py``)."""
+        pids = sorted(proc.pid for proc in self.ranks.values())
+        self._kill_ranks()
+        self.events.emit("fenced", node=self.node, silent_s=round(silent_s, 3), pids=pids)
+        print(
+            f"[agent{self.node}] no answer from the job store for {silent_s:.1f} s (agent.fence_after="
+            f"{self.cfg.fence_after:g}): killed this node's ranks {pids}, so that none of them trains on in "
+            "a generation the job may have moved to; waiting for the store",
+            file=sys.stderr,
+        )
+
+    def _fenced_give_up(self, silent_s: float) -> None:
+        """Still no store (on the lease's thread): the job replaced this node long ago, or lost its
+        store. Cut this process's connections to the store, so that the main thread's request blocked
+        on it fails now (``DistNetworkError``: exit 75 through :meth:`_store_lost`, cleaning up as
+        always) instead of after its connection's timeout (minutes); should it not end within
+        :data:`_GIVE_UP_GRACE_S`, the process ends here, its node's processes with it."""
+        host, port = self.cluster.store_address
+        print(
+            f"[agent{self.node}] no answer from the job store at {host}:{port} for {silent_s:.1f} s: this "
+            "node is cut off, or the store is gone; giving up",
+            file=sys.stderr,
+        )
+        sever_connections_to(socket.gethostbyname(host), port)
+        last_resort = threading.Timer(_GIVE_UP_GRACE_S, self._exit_now)
+        last_resort.daemon = True
+        last_resort.start()
+
+    def _exit_now(self) -> None:
+        """:meth:`_fenced_give_up`'s last resort: the main thread did not leave; end the node here."""
+        print(f"[agent{self.node}] the supervision loop did not end; exiting", file=sys.stderr)
+        try:
+            self._kill_ranks()
+            self.spares.close()
+            if self.fork_server is not None:
+                self.fork_server.close()
+            self.batch_cache.close()
+        finally:
+            sys.stderr.flush()
+            os._exit(EXIT_FAULT_BUDGET)  # the main thread cannot be woken from where it is blocked
 
     def _node_relay(self, gen: int) -> JoinRelay | None:
         """Tiers 3-4 with a heartbeat board: the node's ranks join generations through this agent
@@ -383,29 +461,42 @@ class NodeAgent:
         self.start_ranks(gen)
         self.refill_spares_later()
         while True:
-            obs = self._observe(gen)
-            if obs is None:
-                return self._taken_over()
-            decision = policy.decide(obs)
-            gen = decision.generation
-            if decision.action is Action.DONE:
-                decision = self._wait_for_other_nodes(gen)
-                if decision.action is Action.DONE:
-                    if self.node == 0:  # it waited for every node: the job is over for every agent
-                        self._stop_watch(release=True)
-                    return 0
-            if decision.action is Action.GIVE_UP:
-                policy.give_up(gen)
-                return self._give_up_exit()
-            if decision.action is Action.NEXT_GENERATION:
-                moved = policy.move_on(gen, decision.target)
-                if moved is None:
-                    return self._give_up_exit()
-                gen = moved
-            elif decision.action is Action.WATCH:
-                self._tend(gen, obs.beats)
+            try:
+                gen, code = self._supervise_step(policy, gen)
+            except NodeFenced as fenced:  # a store pass decides first (agent/store_lease.py)
+                print(f"[agent{self.node}] {fenced}", file=sys.stderr)
                 self._pause()
-            # Action.CONTINUE: the policy acted; observe again at once
+                continue
+            if code is not None:
+                return code
+
+    def _supervise_step(self, policy: RestartAll | ReplaceFailed, gen: int) -> tuple[int, int | None]:
+        """One turn of :meth:`_supervise`'s loop: the generation to go on in, and the exit code when
+        the agent is done (None: go on)."""
+        obs = self._observe(gen)
+        if obs is None:
+            return gen, self._taken_over()
+        decision = policy.decide(obs)
+        gen = decision.generation
+        if decision.action is Action.DONE:
+            decision = self._wait_for_other_nodes(gen)
+            if decision.action is Action.DONE:
+                if self.node == 0:  # it waited for every node: the job is over for every agent
+                    self._stop_watch(release=True)
+                return gen, 0
+        if decision.action is Action.GIVE_UP:
+            policy.give_up(gen)
+            return gen, self._give_up_exit()
+        if decision.action is Action.NEXT_GENERATION:
+            moved = policy.move_on(gen, decision.target)
+            if moved is None:
+                return gen, self._give_up_exit()
+            gen = moved
+        elif decision.action is Action.WATCH:
+            self._tend(gen, obs.beats)
+            self._pause()
+        # Action.CONTINUE: the policy acted; observe again at once
+        return gen, None
 
     def _observe(self, gen: int) -> Observation | None:
         """One pass's look; acts on nothing. None: another agent (a standby) took this node over while
@@ -420,7 +511,8 @@ class NodeAgent:
         assert self._look is not None
         ranks = [r for r in self.local_ranks if r not in self.lost_slots]
         moved = self._watch is not None and self._watch.take()
-        if not moved and self._look.since_pass() < self.cfg.store_interval:
+        fenced = self._lease is not None and self._lease.fenced  # only a store pass ends a fence
+        if not moved and not fenced and self._look.since_pass() < self.cfg.store_interval:
             now = time.time()
             glance = self._look.glance(ranks)
             if glance is not None:
@@ -429,6 +521,9 @@ class NodeAgent:
                     return obs
         now = time.time()
         look = self._look.look(gen, ranks)
+        if self._lease is not None and self._lease.renew():
+            self.events.emit("unfenced", node=self.node, owned=look.owned)
+            print(f"[agent{self.node}] the job store answers again", file=sys.stderr)
         if not look.owned:
             return None
         return self._observation(gen, now, look)
@@ -605,6 +700,11 @@ class NodeAgent:
         Writes the rank's first heartbeat (step -1, now) and its membership; emits nothing.
         """
         assert self.store is not None
+        if self._lease is not None and self._lease.fenced:
+            raise NodeFenced(
+                f"not starting rank {rank} in generation {gen}: no answer from the job store for "
+                f"{self._lease.silent_s():.1f} s; the next store pass decides whether this node is still ours"
+            )
         if self.job.comm.rootless:
             master_port = self.store_port
         elif self.node == 0:

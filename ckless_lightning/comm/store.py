@@ -329,11 +329,13 @@ class JobStore:
         end before they leave, and none waits on a connection the store closes."""
         self._tcp.set(f"gen{gen}/moved/agents", "1")
 
-    def another_client(self) -> JobStore:
+    def another_client(self, *, timeout_s: float = 300.0) -> JobStore:
         """A second connection to the same store (for a thread that blocks in :meth:`wait_moved` or
-        :meth:`wait_agents_moved`)."""
+        :meth:`wait_agents_moved`). ``timeout_s``: how long connecting, and each request, may wait
+        for the store (a blocking wait given its own timeout waits that long instead)."""
         return JobStore(
-            connect_store(self._server.host, self._server.port, is_master=False), secret=self._secret
+            connect_store(self._server.host, self._server.port, is_master=False, timeout_s=timeout_s),
+            secret=self._secret,
         )
 
     def process_group_store(self, gen: int, *, init_timeout_s: float) -> GenerationBoundStore:

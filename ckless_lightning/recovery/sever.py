@@ -18,11 +18,11 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["fail_fast", "sever_connections", "tcp_connections"]
+__all__ = ["fail_fast", "sever_connections", "sever_connections_to", "tcp_connections"]
 
 
 def _own_tcp_sockets() -> Iterator[socket.socket]:
@@ -79,10 +79,22 @@ def sever_connections(keep_ports: set[int]) -> int:
     Returns how many were cut. The sockets stay open (their owners close them);
     only the connections end, so peers see "connection closed by peer" at once.
     """
+    return _sever(lambda peer: peer[1] not in keep_ports)
+
+
+def sever_connections_to(host: str, port: int) -> int:
+    """``shutdown()`` this process's connections to ``host:port`` (a node agent giving up on a job store
+    that stopped answering: a request blocked on it in another thread then fails at once with
+    ``DistNetworkError`` instead of waiting for its timeout). ``host`` is an address (TCPStore's
+    IPv6 sockets name an IPv4 peer ``::ffff:<address>``, which matches too). Returns how many were cut."""
+    return _sever(lambda peer: peer[1] == port and peer[0].removeprefix("::ffff:") == host)
+
+
+def _sever(chosen: Callable[[tuple[str, int]], bool]) -> int:
     cut = 0
     for sock in _own_tcp_sockets():
         peer = _peer(sock)
-        if peer is None or peer[1] in keep_ports:
+        if peer is None or not chosen(peer):
             continue
         try:
             sock.shutdown(socket.SHUT_RDWR)

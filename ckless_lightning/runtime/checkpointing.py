@@ -9,21 +9,31 @@ callbacks, data position). A name that says no step (``last.ckpt``) is not a
 recovery point: its step would have to be read from the folder. It counts as complete only when both DCP's
 ``.metadata`` and ``meta.pt`` exist: rank 0 writes ``meta.pt`` last, so a run
 killed mid-save leaves an incomplete folder that resume skips.
+
+Fenced commits (tier 1+): every rank writes into ``<name>.partial-g<generation>`` (a name no glob of
+checkpoints matches); once the save is complete, rank 0 renames it to ``<name>`` only if the job is
+still in that generation (:func:`commit_checkpoint`). A rank the job left behind (a node cut off
+from the network and healed) cannot put a checkpoint where a resume would find it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import sys
 from pathlib import Path
 
 __all__ = [
     "CHECKPOINT_GLOB",
     "checkpoint_name",
     "checkpoint_step",
+    "commit_checkpoint",
     "is_complete_checkpoint",
     "latest_checkpoint",
     "quarantine_checkpoints",
     "resolve_resume",
+    "staging_path",
 ]
 
 CHECKPOINT_GLOB = "*.ckpt"
@@ -42,6 +52,33 @@ def checkpoint_step(path: str | Path) -> int | None:
     name = Path(path).name
     match = _STEP_RE.match(name) or _LIGHTNING_STEP_RE.search(name)
     return int(match.group(1)) if match else None
+
+
+def staging_path(final: Path, generation: int) -> Path:
+    """Where generation ``generation`` writes the checkpoint that becomes ``final`` once committed."""
+    return final.with_name(f"{final.name}.partial-g{generation}")
+
+
+def commit_checkpoint(staging: Path, final: Path, *, current: bool) -> bool:
+    """Rank 0, after a complete save into ``staging``: rename it to ``final`` if ``current`` (the job is
+    still in the generation that wrote it), replacing an older ``final`` of the same step; else leave
+    it where no resume looks and say so. True when committed."""
+    if not current:
+        print(
+            f"not committing checkpoint {final.name}: the job left the generation that wrote it "
+            f"(left in {staging}, which no resume reads)",
+            file=sys.stderr,
+        )
+        return False
+    assert is_complete_checkpoint(staging), staging
+    old = None
+    if final.exists():  # the same step saved by an earlier generation (steps redone after a fault)
+        old = final.with_name(f"{final.name}.replaced-{os.getpid()}")
+        final.rename(old)
+    staging.rename(final)
+    if old is not None:
+        shutil.rmtree(old)
+    return True
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:

@@ -247,6 +247,11 @@ class AgentConfig:
     and goes to the job store (its own beat, the job's generation and give-up, the other agents'
     beats) every ``store_interval``, at most ``node_timeout / 3`` so that a live node's beats are
     seen well within ``node_timeout``; a generation move wakes it at once.
+
+    ``fence_after`` (default ``node_timeout / 2``): an agent that has had no answer from the job
+    store for this long kills its ranks itself (a node cut off from the network), so that they are
+    gone before the job counts the node as lost (``agent/store_lease.py``); no answer for
+    ``node_timeout`` twice more: it exits 75.
     """
 
     spares: int = 0
@@ -263,6 +268,7 @@ class AgentConfig:
     store_interval: float = 1.0
     stop_grace_s: float = 10.0
     replace_timeout: float = 60.0
+    fence_after: float | None = None
 
     def __post_init__(self) -> None:
         if self.spares < 0:
@@ -293,6 +299,16 @@ class AgentConfig:
             )
         if self.stop_grace_s < 0:
             raise ValueError(f"agent.stop_grace_s must be >= 0 seconds, got {self.stop_grace_s}")
+        if self.fence_after is None:
+            self.fence_after = self.node_timeout / 2
+        if not self.store_interval < self.fence_after < self.node_timeout:
+            raise ValueError(
+                f"agent.fence_after={self.fence_after:g} must be above agent.store_interval="
+                f"{self.store_interval:g} s (a live agent reaches the store once per store_interval) and "
+                f"below agent.node_timeout={self.node_timeout:g} s (a cut-off node's ranks must be stopped "
+                "before the job counts the node as lost): leave it unset (node_timeout / 2) or pick a "
+                "value in that range"
+            )
 
 
 VOTES = ("store", "collective")  # comm.vote: how the ranks decide a step's commit

@@ -54,6 +54,7 @@ from ckless_lightning.replication.state import (
     set_rng_state,
 )
 from ckless_lightning.replication.warmup import mark_process_warm, process_is_warm, warm_optimizer_step
+from ckless_lightning.runtime.checkpointing import commit_checkpoint, staging_path
 from ckless_lightning.runtime.contract import UsageError
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
 
@@ -286,7 +287,17 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         metadata rank 0 writes): a module that draws random numbers while training (dropout)
         resumes each rank's stream where it was. Collective: every rank calls it (as Lightning does)."""
         checkpoint[RNG_BY_RANK] = self._rng_by_rank()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        gen = self._generation
+        if gen is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        # Tier 1+: written under a staging name, committed by rank 0 only while the job is still in this
+        # generation (runtime/checkpointing.py); Lightning's Trainer.save_checkpoint barriers after this.
+        final = Path(self.broadcast(str(filepath)))
+        staging = staging_path(final, gen.number)
+        super().save_checkpoint(checkpoint, staging, storage_options=storage_options)
+        if self.global_rank == 0:
+            commit_checkpoint(staging, final, current=gen.store.generation() == gen.number)
 
     def _rng_by_rank(self) -> list[dict[str, Any]]:
         state = rng_state()

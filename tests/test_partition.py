@@ -1,0 +1,162 @@
+"""Network partitions: nodes in network namespaces cut off and healed (``pytest -k partition``).
+
+Each test runs a two-node job (2 ranks per node, tier 1 or 4, 12 steps, a checkpoint every 5) on a
+standalone job store, every node and the store in a network namespace of its own (tests/netns.py),
+cuts links at step 7 and compares the run bitwise with the fault-free reference. Leftovers are
+counted after each: no process inside the namespaces, no namespace, no shared memory of the job.
+Timeouts: ``agent.node_timeout=6`` (a node is lost after 6 s of silence), ``agent.fence_after`` its
+default 3 s, ``agent.hang_timeout=20`` (above both: a rank waiting on a cut-off peer is not blamed).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from checkpoint_utils import assert_same_run
+from conftest import TINY_REFERENCE
+from netns import NetnsCluster, netns_unavailable
+from partition_job import PartitionJob
+
+pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
+
+STEPS = 12
+CUT_AT_STEP = 7
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> Path:
+    return reference_run(*TINY_REFERENCE)  # COMMON's training on one node, fault-free
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture
+def partition_job(tmp_path, data_cache):
+    """A :class:`PartitionJob` on three node namespaces; afterwards asserts nothing was left behind."""
+    shm_before = _shm()
+    with NetnsCluster(3) as cluster:
+        job = PartitionJob(cluster, tmp_path / "run", data_cache, f"trainer.max_steps={STEPS}")
+        try:
+            yield job
+        finally:
+            job.close()
+        left = cluster.pids()
+        namespaces = [*cluster.node_ns, cluster.store_ns, cluster.bridge_ns]
+    assert not left, f"processes left inside the namespaces: {left}"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [ns for ns in namespaces if ns in listed]
+    assert not {n for n in _shm() - shm_before if n.startswith("ckless")}, "shared memory left behind"
+
+
+def _after(events: list[dict], t: float) -> list[dict]:
+    return [e for e in events if e["t"] > t]
+
+
+@pytest.mark.timeout(420)
+def test_partition_node_cut_off_is_fenced_and_taken_over(partition_job, reference, tmp_path):
+    """Node 1 cut off from everything for longer than agent.node_timeout: its agent kills its ranks
+    after agent.fence_after (before anyone counts the node as lost), a standby takes the node over,
+    the job ends bitwise equal; once healed, the old agent finds the node taken and leaves, and no
+    rank of the old node trained or wrote after its fence."""
+    job = partition_job
+    job.start_nodes(standby=True, tier=4)
+    job.wait_for_step(CUT_AT_STEP)
+    job.cluster.cut(1)
+    cut_at = time.time()
+    fenced = job.wait_for_event("fenced", node=1)
+    moved = job.wait_for_event("generation", gen=1)  # the job moved on without the old node
+    time.sleep(1.0)
+    job.cluster.heal(1)
+    codes = job.finish()
+    assert codes == {"node0": 0, "node1": 0, "standby": 0}, job.logs()
+    assert_same_run(job.run, reference, tmp_path, STEPS)
+    # The fence came within fence_after of the cut (3 s, plus a lease look) and before the job acted.
+    assert fenced["t"] - cut_at < 6.0, fenced["t"] - cut_at
+    assert moved["t"] > fenced["t"], (moved, fenced)
+    gen0_node1 = [e for e in job.events("ranks_started") if e["node"] == 1 and e["gen"] == 0]
+    assert sorted(fenced["pids"]) == sorted(gen0_node1[0]["pids"])
+    # Nothing of the fenced ranks after the fence: no phase, no loss row (losses of gen 0 end there).
+    phases = _after(job.events("rank_phase"), fenced["t"])
+    stale = [e for e in phases if e["rank"] in (2, 3) and e["gen"] == 0]
+    assert not stale, stale
+    replaced = job.events("agent_replaced")
+    assert len(replaced) == 1 and replaced[0]["node"] == 1
+    assert "was taken over by agent" in job.log("node1")
+    assert not list((job.run / "checkpoints").glob("*.partial-*")), "an uncommitted checkpoint was left"
+
+
+@pytest.mark.timeout(420)
+def test_partition_short_cut_is_ridden_out(partition_job, reference, tmp_path):
+    """Node 1 cut off for 1 s (below agent.fence_after and agent.node_timeout): TCP retransmits once
+    the link is back, the job goes on: no fence, no fault, no new generation, no step redone."""
+    job = partition_job
+    job.start_nodes(standby=False)
+    job.wait_for_step(CUT_AT_STEP)
+    job.cluster.cut(1)
+    time.sleep(1.0)
+    job.cluster.heal(1)
+    codes = job.finish()
+    assert codes == {"node0": 0, "node1": 0}, job.logs()
+    assert_same_run(job.run, reference, tmp_path, STEPS)
+    for kind in ("fenced", "fault_detected", "generation", "ranks_stopped"):
+        assert not job.events(kind), (kind, job.events(kind))
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (job.run / "losses.jsonl").open()]
+    assert steps == list(range(1, STEPS + 1)), steps  # no step redone
+
+
+@pytest.mark.timeout(420)
+def test_partition_store_cut_off_from_one_node_is_one_decision(partition_job, reference, tmp_path):
+    """Node 1 reaches its peers but not the store: the store decides. Node 1's agent fences its own
+    ranks (its peers see them die), node 0 goes on, the standby takes node 1 over; no agent of node 0
+    is blamed or stopped by anyone but the job's recovery, and the job ends bitwise equal."""
+    job = partition_job
+    job.start_nodes(standby=True)
+    job.wait_for_step(CUT_AT_STEP)
+    job.cluster.cut(1, peers=False, store=True)
+    fenced = job.wait_for_event("fenced", node=1)
+    moved = job.wait_for_event("generation", gen=1)
+    time.sleep(1.0)
+    job.cluster.heal(1, peers=False, store=True)
+    codes = job.finish()
+    assert codes == {"node0": 0, "node1": 0, "standby": 0}, job.logs()
+    assert_same_run(job.run, reference, tmp_path, STEPS)
+    assert [e["node"] for e in job.events("fenced")] == [1]  # node 0 kept its store: never fenced
+    assert moved["t"] > fenced["t"], (moved, fenced)  # the job acted on the fenced node only after the fence
+    assert [e["node"] for e in job.events("agent_replaced")] == [1]
+    assert not job.events("giveup")
+
+
+@pytest.mark.timeout(480)
+def test_partition_store_cut_off_from_every_node_ends_in_a_requeue(partition_job, reference, tmp_path):
+    """The store cut off from every node: for 1 s (below agent.fence_after) the job rides it out; for
+    good, every agent fences its ranks and exits 75 within agent.fence_after + 2 x node_timeout, and
+    the requeued job (a new store, the same run dir) resumes from the last checkpoint, bitwise."""
+    job = partition_job
+    job.start_nodes(standby=False, tier=4)
+    job.wait_for_step(3)
+    job.cluster.cut_store()
+    time.sleep(1.0)
+    job.cluster.heal_store()
+    job.wait_for_step(CUT_AT_STEP)
+    assert not job.events("fenced") and not job.events("generation")
+    job.cluster.cut_store()
+    cut_at = time.monotonic()
+    codes = job.finish(timeout=120)
+    ended_s = time.monotonic() - cut_at
+    assert codes == {"node0": 75, "node1": 75}, job.logs()
+    assert ended_s < 3 + 2 * 6 + 10, ended_s  # fence_after + 2 x node_timeout, and room for a busy machine
+    assert sorted(e["node"] for e in job.events("fenced")) == [0, 1]
+    assert sorted(e["node"] for e in job.events("store_lost")) == [0, 1]
+    assert "no answer from the job store" in job.log("node1")
+    job.cluster.heal_store()
+    job.requeue()
+    codes = job.finish()
+    assert codes == {"node0": 0, "node1": 0}, job.logs()
+    assert "resuming from" in Path(f"{job.run}.node0.requeued.log").read_text()
+    assert_same_run(job.run, reference, tmp_path, STEPS)
