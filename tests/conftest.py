@@ -230,6 +230,7 @@ SLOWEST_FILES = (
     "test_chaos.py",
     "test_tier3.py",
     "test_tier2.py",
+    "test_partition.py",
     "test_models_sharded.py",
     "test_slurm.py",
     "test_state_digest.py",
