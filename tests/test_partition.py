@@ -64,9 +64,9 @@ def test_partition_node_cut_off_is_fenced_and_taken_over(partition_job, referenc
     """Node 1 cut off from everything, first for 1 s (below agent.fence_after: TCP retransmits once
     the link is back, and the job goes on with no fence, no fault, no new generation), then for
     longer than agent.node_timeout: its agent kills its ranks after agent.fence_after (before anyone
-    counts the node as lost), a standby takes the node over, the job ends bitwise equal with no step
-    redone (tier 4); once healed, the old agent finds the node taken and leaves, and no rank of the
-    old node trained or wrote after its fence."""
+    counts the node as lost), a standby takes the node over, the job ends bitwise equal with at most
+    the step in flight redone (tier 4); once healed, the old agent finds the node taken and leaves,
+    and no rank of the old node trained or wrote after its fence."""
     job = partition_job
     job.start_nodes(standby=True, tier=4)
     job.wait_for_step(3)
@@ -99,7 +99,9 @@ def test_partition_node_cut_off_is_fenced_and_taken_over(partition_job, referenc
     assert "was taken over by agent" in job.log("node1")
     assert not list((job.run / "checkpoints").glob("*.partial-*")), "an uncommitted checkpoint was left"
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (job.run / "losses.jsonl").open()]
-    assert steps == list(range(1, STEPS + 1)), steps  # no step redone
+    # Tier 4: at most the step in flight at the cut is trained again (the survivors roll back to the
+    # step whose buddy copies of the lost ranks were complete), never from a checkpoint.
+    assert sorted(set(steps)) == list(range(1, STEPS + 1)) and len(steps) - STEPS <= 1, steps
 
 
 @pytest.mark.timeout(420)
