@@ -37,7 +37,9 @@ Not simulated: process groups (their formation through the store is torch's: glo
 costs O(world) store requests per rank; ``bench/scale_model.py`` models it), tier 4's state
 transfer, data. Requests are counted at the store's door: every client connection of the simulated
 job is a ``CountingStore`` around a ``TCPStore`` client, which counts each request it sends (a
-``multi_get`` of k keys is one request). The store's own host connection is not used by the job.
+``multi_get`` of k keys is one request; a ``get`` or ``multi_get`` is two, as c10d's client sends a
+``WAIT`` for its keys before it reads them: counted as ``get_wait``). The store's own host
+connection is not used by the job.
 
 Per N it prints: store requests per rank-step (steady state: from the 5th step to the one before
 the fault), requests per second at the store, the vote's latency (p50, p99: from a rank's vote to
@@ -112,6 +114,7 @@ class CountingStore(Store):
         self._inner.set(key, value)
 
     def get(self, key: str) -> bytes:
+        self._count("get_wait")  # c10d's client sends a WAIT for the key first, then the GET
         self._count("get")
         return self._inner.get(key)
 
@@ -135,6 +138,7 @@ class CountingStore(Store):
             self._inner.wait(keys, timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count("get_wait")  # as get: a WAIT for the keys, then the MULTI_GET
         self._count("multi_get")
         return self._inner.multi_get(keys)
 
@@ -167,16 +171,37 @@ class Row:
     requests_by_kind: dict[str, float]  # per rank-step, steady state
     vote_p50_s: float
     vote_p99_s: float
+    # --vote collective, the vote's two parts (p50, p99; NaN otherwise): from a rank's vote to the last
+    # rank's arrival (the ranks' skew: their steps end apart), and from that arrival to its return
+    # (the simulated collective's release: every waiting thread woken, one at a time, for the interpreter)
+    vote_skew_p50_s: float
+    vote_skew_p99_s: float
+    vote_release_p50_s: float
+    vote_release_p99_s: float
     agent_look_p50_s: float
     recovery_s: float
     # --join node: from the fault to the last node agent seeing the next generation's barrier full (the
     # store's part of a recovery; what is left is each node waking its own ranks). None: --join store
     recovery_store_s: float | None
+    # --join node, the same recovery's earlier marks: the fault to the last rank asking its agent to
+    # join the next generation (every survivor noticed the fault, left, and the replacement started),
+    # and to the first node agent seeing that barrier full (the node that filled it, at once)
+    recovery_asked_s: float | None
+    recovery_filled_s: float | None
     recovery_store_requests: int
     recovery_store_requests_per_node: float
     recovery_requests_by_kind: dict[str, float]  # per rank, from the fault to every rank joined
+    # Of recovery_store_requests_per_node: the node agents' ordinary store passes in that window (one
+    # per agent.store_interval, a recovery or not: the steady state's agents/s, paid for as long as
+    # the recovery lasts); the rest is the recovery's own (moves, counts, waits, the replacement)
+    recovery_pass_requests_per_node: float
     sim_cpu_s: float  # this process's CPU seconds per wall second in the steady window
+    recovery_cpu_s: float  # the same from the fault to every rank joined (the simulator's own load in it)
     connections: int
+
+    @property
+    def vote_parts_measured(self) -> bool:
+        return self.vote_skew_p50_s == self.vote_skew_p50_s  # not NaN: --vote collective
 
 
 @dataclass
@@ -200,11 +225,17 @@ class Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
     connections: int = 0
     votes: list[tuple[float, float]] = field(default_factory=list)  # (monotonic end, seconds)
+    # --vote collective: (monotonic end, the vote to the last rank's arrival, that arrival to the return)
+    vote_parts: list[tuple[float, float, float]] = field(default_factory=list)
     looks: list[float] = field(default_factory=list)
+    passes: list[tuple[float, int]] = field(default_factory=list)  # agents' ordinary passes: (end, requests)
     step_started: dict[int, float] = field(default_factory=dict)  # step -> first rank's monotonic start
     joined_after_fault: dict[int, float] = field(default_factory=dict)  # rank -> monotonic join time
     barrier_full: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # node -> (gen, time)
     fault_at: float | None = None
+    fault_cpu: float | None = None  # the process's CPU time at the fault, and once every rank joined
+    recovered_cpu: float | None = None
+    asked_at: dict[int, float] = field(default_factory=dict)  # rank -> its last join request after the fault
     fault_counts: Counter[str] | None = None
     recovered_counts: Counter[str] | None = None  # once every rank joined the next generation
     dead: set[int] = field(default_factory=set)
@@ -230,13 +261,14 @@ class Job:
     def nodes(self) -> int:
         return self.world // self.per_node
 
-    def client(self, *, agent: bool = False) -> JobStore:
-        """A new counted connection to the job store (each rank has three, each agent two); an
-        ``agent``'s requests also count as the agents'."""
+    def client(self, *, agent: bool = False, own: Counter[str] | None = None) -> JobStore:
+        """A new counted connection to the job store (each rank has three, each agent four); an
+        ``agent``'s requests also count as the agents', and in ``own`` if given."""
         with self.lock:
             self.connections += 1
         inner = connect_store("127.0.0.1", self.host.port, is_master=False)
         counts = (self.counts, self.agent_counts) if agent else (self.counts,)
+        counts += (own,) if own is not None else ()
         return JobStore(CountingStore(inner, counts, self.lock), secret=SECRET)  # type: ignore[arg-type]
 
     def snapshot(self, *, agents: bool = False) -> Counter[str]:
@@ -259,6 +291,7 @@ class SimAllReduce:
         self.world = world
         self.cond = threading.Condition()
         self.votes: dict[tuple[int, int], list[int]] = {}
+        self.full_at: dict[tuple[int, int], float] = {}  # (gen, step) -> perf_counter of the last arrival
         self.broken: set[int] = set()
 
     def vote(self, gen: int, step: int, flag: int, timeout_s: float = 600.0) -> bytes:
@@ -266,7 +299,8 @@ class SimAllReduce:
             flags = self.votes.setdefault((gen, step), [])
             flags.append(flag)
             if len(flags) == self.world:  # only the last arrival can end the others' wait (waking
-                self.cond.notify_all()  # every waiter at each arrival is N**2 wake-ups a step)
+                self.full_at[gen, step] = time.perf_counter()  # every waiter at each arrival is N**2
+                self.cond.notify_all()  # wake-ups a step)
             self.cond.wait_for(lambda: gen in self.broken or len(flags) >= self.world, timeout_s)
             if len(flags) < self.world:  # (a real one can also end on some ranks and fail on others)
                 raise PeerLost(f"generation {gen}, step {step}: a peer left the collective")
@@ -276,6 +310,20 @@ class SimAllReduce:
         with self.cond:
             self.broken.add(gen)
             self.cond.notify_all()
+
+
+class TimedLink(NodeLink):
+    """A rank's :class:`NodeLink` that notes when it asks to join after the fault (no request of its own)."""
+
+    def __init__(self, job: Job, board: BeatBoard, *, slot: int, rank: int) -> None:
+        super().__init__(board, slot=slot)
+        self.job = job
+        self.rank = rank
+
+    def request_join(self, gen: int) -> None:
+        if self.job.fault_at is not None:
+            self.job.asked_at[self.rank] = time.monotonic()
+        super().request_join(gen)
 
 
 class SimRank(threading.Thread):
@@ -295,7 +343,9 @@ class SimRank(threading.Thread):
         self.where: BoardBeats | JobStore = self.beats if isinstance(self.beats, BoardBeats) else self.store
         # Its end of the node relay (as InProcessRecovery's: its slot of the node's board)
         board = job.boards.get(rank // job.per_node)
-        self.link = NodeLink(board, slot=rank % job.per_node) if job.node_join and board else None
+        self.link = None
+        if job.node_join and board is not None:
+            self.link = TimedLink(job, board, slot=rank % job.per_node, rank=rank)
         self.session = GenerationSession(
             self.store,
             rank=rank,
@@ -348,6 +398,8 @@ class SimRank(threading.Thread):
                     if job.collective_vote:
                         if job.allreduce.vote(gen, step, 0 if watch.moved else 1) != b"commit":
                             raise GenerationChanged(gen, gen + 1, f"voting on step {step}: abandoned")
+                        full, end = job.allreduce.full_at[gen, step], time.perf_counter()
+                        job.vote_parts.append((time.monotonic(), full - start, end - full))
                     else:
                         commit.vote(step)
                     job.votes.append((time.monotonic(), time.perf_counter() - start))
@@ -386,6 +438,7 @@ class SimRank(threading.Thread):
                 last = len(job.joined_after_fault) == job.world
             if last:
                 job.recovered_counts = job.snapshot()
+                job.recovered_cpu = time.process_time()
         return gen
 
     def _die(self, watch: GenerationWatch) -> None:
@@ -394,6 +447,7 @@ class SimRank(threading.Thread):
         watch._stop.set()  # a dead process's watch thread dies with it; here it just returns on its wake-up
         job.allreduce.break_generation(watch.generation)  # its connections close: a collective fails
         job.fault_counts = job.snapshot()
+        job.fault_cpu = time.process_time()
         job.fault_at = time.monotonic()
         with job.lock:
             job.dead.add(self.rank)
@@ -409,7 +463,8 @@ class SimAgent(threading.Thread):
         super().__init__(name=f"agent{node}", daemon=True)
         self.job = job
         self.node = node
-        self.store = job.client(agent=True)
+        self.own: Counter[str] = Counter()  # this agent's main connection's requests (its thread's only)
+        self.store = job.client(agent=True, own=self.own)
         self.local = list(range(node * job.per_node, (node + 1) * job.per_node))
         self.board = job.boards.get(node)
         self.look = StoreLook(
@@ -444,7 +499,7 @@ class SimAgent(threading.Thread):
         )
 
     def run(self) -> None:
-        job, gen = self.job, 0
+        job, gen, looked_once = self.job, 0, False
         self.watch.start()
         if self.relay is not None:
             self.relay.start()
@@ -453,12 +508,18 @@ class SimAgent(threading.Thread):
                 with job.lock:  # the node's look: a dead rank's exit code, and the board (no request)
                     lost = [r for r in self.local if r in job.dead]
                     job.dead.difference_update(lost)
-                due = self.watch.take() or lost or self.look.since_pass() >= STORE_INTERVAL_S
-                if due or self.look.glance(self.local) is None:
-                    start = time.perf_counter()
+                moved = self.watch.take()
+                due = moved or lost or self.look.since_pass() >= STORE_INTERVAL_S
+                # NodeAgent glances at its board every tick (for hangs, not simulated here); with a board
+                # that glance asks for a store pass only before the first, so the simulated agent skips
+                # it after that (~0.1 ms of the one interpreter, 10 times a second per node)
+                if due or ((not looked_once or self.board is None) and self.look.glance(self.local) is None):
+                    start, before = time.perf_counter(), self.own.total()
                     look = self.look.look(gen, self.local)
                     job.looks.append(time.perf_counter() - start)
-                    gen = max(gen, look.current)
+                    if not (moved or lost):  # an ordinary pass (its interval), not one for a move or death
+                        job.passes.append((time.monotonic(), self.own.total() - before))
+                    gen, looked_once = max(gen, look.current), True
                 for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
                     if self.relay is not None:
                         self.relay.slot_lost(rank % job.per_node)
@@ -496,14 +557,16 @@ class SimAgent(threading.Thread):
             self.look.published(rank, beat)
 
 
-def _store_phase(job: Job) -> float | None:
-    """From the fault to the last node agent seeing the barrier of the generation every rank joined
-    after it open full (--join node; None with --join store, where the ranks wait themselves)."""
+def _store_phase(job: Job, *, first: bool = False) -> float | None:
+    """From the fault to the last node agent (``first``: the first) seeing the barrier of the
+    generation every rank joined after it open full (--join node; None with --join store, where the
+    ranks wait themselves)."""
     if not job.node_join:
         return None
     assert job.fault_at is not None
     last = max(gen for times in job.barrier_full.values() for gen, _ in times)
-    return max(t for times in job.barrier_full.values() for gen, t in times if gen == last) - job.fault_at
+    seen = [t for times in job.barrier_full.values() for gen, t in times if gen == last]
+    return (min(seen) if first else max(seen)) - job.fault_at
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -574,10 +637,12 @@ def simulate(
     total = sum(steady.values())
     by_agents = sum((window["agents_end"] - window["agents"]).values())
     assert job.fault_at is not None and job.fault_counts is not None and job.recovered_counts is not None
+    assert job.fault_cpu is not None and job.recovered_cpu is not None
     recovered_at = max(job.joined_after_fault.values())
     recovery_counts = job.recovered_counts - job.fault_counts
     recovery_requests = sum(recovery_counts.values())
     steady_votes = [s for t, s in job.votes if window["start"] <= t <= window["end"]]
+    steady_parts = [(a, b) for t, a, b in job.vote_parts if window["start"] <= t <= window["end"]]
     return Row(
         ranks=world,
         nodes=job.nodes,
@@ -589,13 +654,22 @@ def simulate(
         requests_by_kind={k: v / rank_steps for k, v in sorted(steady.items())},
         vote_p50_s=_percentile(steady_votes, 0.5),
         vote_p99_s=_percentile(steady_votes, 0.99),
+        vote_skew_p50_s=_percentile([a for a, _ in steady_parts], 0.5),
+        vote_skew_p99_s=_percentile([a for a, _ in steady_parts], 0.99),
+        vote_release_p50_s=_percentile([b for _, b in steady_parts], 0.5),
+        vote_release_p99_s=_percentile([b for _, b in steady_parts], 0.99),
         agent_look_p50_s=_percentile(job.looks, 0.5),
         recovery_s=recovered_at - job.fault_at,
         recovery_store_s=_store_phase(job),
+        recovery_asked_s=max(job.asked_at.values()) - job.fault_at if job.node_join else None,
+        recovery_filled_s=_store_phase(job, first=True),
         recovery_store_requests=recovery_requests,
         recovery_store_requests_per_node=recovery_requests / job.nodes,
         recovery_requests_by_kind={k: v / world for k, v in sorted(recovery_counts.items())},
+        recovery_pass_requests_per_node=sum(n for t, n in job.passes if job.fault_at <= t <= recovered_at)
+        / job.nodes,
         sim_cpu_s=(window["cpu_end"] - window["cpu"]) / wall,
+        recovery_cpu_s=(job.recovered_cpu - job.fault_cpu) / (recovered_at - job.fault_at),
         connections=job.connections,
     )
 
@@ -665,7 +739,8 @@ def _table(rows: list[Row]) -> str:
     head = (
         f"{'ranks':>6} {'nodes':>5} {'req/rank-step':>13} {'ranks':>6} {'agents/s':>8} {'req/s':>7} "
         f"{'vote p50':>9} {'vote p99':>9} "
-        f"{'look p50':>9} {'recovery':>9} {'of it store':>11} {'rec. req':>9} {'req/node':>9} {'sim cpu':>8}"
+        f"{'look p50':>9} {'recovery':>9} {'of it store':>11} {'rec. req':>9} {'req/node':>9} {'passes':>7} "
+        f"{'sim cpu':>8}"
     )
     lines = [head]
     for r in rows:
@@ -675,18 +750,44 @@ def _table(rows: list[Row]) -> str:
             f"{r.store_requests_per_s:>7.0f} {r.vote_p50_s * 1e3:>7.1f}ms {r.vote_p99_s * 1e3:>7.1f}ms "
             f"{r.agent_look_p50_s * 1e3:>7.2f}ms {r.recovery_s:>8.2f}s {_seconds(r.recovery_store_s):>11} "
             f"{r.recovery_store_requests:>9} "
-            f"{r.recovery_store_requests_per_node:>9.1f} {r.sim_cpu_s:>8.2f}"
+            f"{r.recovery_store_requests_per_node:>9.1f} {r.recovery_pass_requests_per_node:>7.1f} "
+            f"{r.sim_cpu_s:>8.2f}"
         )
     lines.append(
         "(req/rank-step: every request; of them, 'ranks': the ranks' own per rank-step, 'agents/s': the node"
         " agents' per node and second; 'of it store': the fault to the last node agent seeing the next"
-        " barrier full, the rest is each node waking its ranks)"
+        " barrier full, the rest is each node waking its ranks; 'req/node': a recovery's store requests"
+        " per node, all of the job's from the fault to every rank joined; 'passes': of them, the node"
+        " agents' ordinary store passes meanwhile, one per agent.store_interval, a recovery or not)"
     )
     kinds = sorted({k for r in rows for k in r.requests_by_kind})
     lines.append("")
     lines.append("requests per rank-step by kind: " + ", ".join(kinds))
     for r in rows:
         lines.append(f"{r.ranks:>6}: " + "  ".join(f"{k} {r.requests_by_kind.get(k, 0):.2f}" for k in kinds))
+    lines.append("")
+    lines.append(
+        "the recovery, from the fault (--join node): every rank asked its agent to join -> the barrier"
+        " filled -> the last node agent saw it -> every rank joined; the simulator's CPU meanwhile"
+        " (CPU seconds per wall second; its rank and agent threads share one interpreter lock)"
+    )
+    for r in rows:
+        lines.append(
+            f"{r.ranks:>6}: asked {_seconds(r.recovery_asked_s)}  filled {_seconds(r.recovery_filled_s)}  "
+            f"last agent {_seconds(r.recovery_store_s)}  joined {r.recovery_s:.2f}s  "
+            f"cpu {r.recovery_cpu_s:.2f}"
+        )
+    if any(r.vote_parts_measured for r in rows):
+        lines.append("")
+        lines.append(
+            "the collective vote's parts (p50 / p99): the vote -> the last rank's arrival (the ranks'"
+            " skew), that arrival -> the vote's return (the release: threads woken one at a time)"
+        )
+        for r in rows:
+            lines.append(
+                f"{r.ranks:>6}: skew {r.vote_skew_p50_s * 1e3:.1f} / {r.vote_skew_p99_s * 1e3:.1f} ms  "
+                f"release {r.vote_release_p50_s * 1e3:.1f} / {r.vote_release_p99_s * 1e3:.1f} ms"
+            )
     kinds = sorted({k for r in rows for k in r.recovery_requests_by_kind})
     lines.append("")
     lines.append("recovery store requests per rank by kind: " + ", ".join(kinds))
