@@ -277,7 +277,9 @@ class JoinRelay:
             self._moved(current)
         by_gen: dict[int, list[int]] = {}
         for slot, (op, gen) in enumerate(requests):
-            if op == "join" and slot not in self._lost and gen > self._counted[slot]:
+            # (not into a generation the job is known to have left: the rank sees the move in the
+            # record and asks again; counting it there could fill that barrier with the dead's counts)
+            if op == "join" and slot not in self._lost and self._counted[slot] < gen >= self._view.moved:
                 by_gen.setdefault(gen, []).append(slot)
         for gen in sorted(by_gen):
             slots = by_gen[gen]

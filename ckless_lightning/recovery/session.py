@@ -151,13 +151,7 @@ class GenerationSession:
         while True:
             # Right after leave() the generation it read is the one to join: one read fewer per rank
             # and recovery. Should the job move on meanwhile, the move opens this barrier (below).
-            # Through a relay, a first join (a rank just started) reads its agent's node record, which
-            # the agent's move watch keeps: no store request (a move it has not seen yet opens the
-            # barrier of the generation asked for, and the agent tells the rank the one to join).
-            current = self.generation
-            if not self._just_read:
-                seen = self.link.view().moved if self.link is not None else self.store.generation()
-                current = max(current, seen)
+            current = self.generation if self._just_read else max(self.generation, self.store.generation())
             self._just_read = False
             self.generation = current
             if self.link is not None:  # the agent writes the membership and counts this rank in
