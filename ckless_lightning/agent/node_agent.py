@@ -99,6 +99,8 @@ __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
 
 EXIT_FAULT_BUDGET = ExitCode.FAULT_BUDGET
 _GIVE_UP_GRACE_S = 30.0  # after a fenced agent gave up, for its main thread to leave on its own
+_END_REQUESTS_S = 2.0  # as the agent leaves, for the threads whose store requests it cut to return
+_STORE_THREADS = ("join-relay", "join-relay-barrier", "store-lease", "store-lease-ping")  # and *-move-watch
 
 
 def _free_port(host: str) -> int:
@@ -241,10 +243,29 @@ class NodeAgent:
             if self._lease is not None:
                 self._lease.stop()
             self._stop_watch(release=is_host)  # (if the job's end did not already)
+            if not is_host:
+                self._end_store_requests()
             if self.board is not None:  # after the node relay, which uses it
                 self.board.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
+
+    def _end_store_requests(self) -> None:
+        """As the agent leaves: end every request of this process still waiting on the job store (the
+        move watch's, the node relay's, the lease's ping: their bounded stops leave a thread whose
+        wait nobody released, e.g. after a takeover), and give those threads a moment to return.
+        A process that exits while a thread waits in C++ aborts (``terminate called without an active
+        exception``: the thread is unwound as the interpreter finalizes)."""
+        host, port = self.cluster.store_address
+        try:
+            sever_connections_to(socket.gethostbyname(host), port)
+        except OSError as err:  # nothing to cut, or the name no longer resolves: nothing waits then
+            print(f"[agent{self.node}] could not end the store requests left ({err})", file=sys.stderr)
+            return
+        deadline = time.monotonic() + _END_REQUESTS_S
+        for thread in threading.enumerate():
+            if thread.name in _STORE_THREADS or thread.name.endswith("-move-watch"):
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _attach_store(self, store: JobStore) -> None:
         """Use ``store`` (hosted or joined) from now on: this agent's passes' look at it."""
