@@ -39,6 +39,7 @@ class PartitionJob:
         self.overrides = overrides
         self.env = {**os.environ, "CKLESS_JOB_SECRET": SECRET, "GLOO_SOCKET_IFNAME": PEER_IFACE}
         self.agents: dict[str, subprocess.Popen[str]] = {}
+        self.agent_pids: list[int] = []  # every agent started, requeued ones included
         self.tier = 1
         self.store = self._start_store()
 
@@ -82,6 +83,7 @@ class PartitionJob:
         self.agents[name] = subprocess.Popen(
             self.cluster.node_command(ns_node, argv), stdout=log, stderr=subprocess.STDOUT, env=self.env
         )
+        self.agent_pids.append(self.agents[name].pid)  # `ip netns exec` execs: the agent's own pid
         log.close()
 
     def start_nodes(self, *, standby: bool, tier: int = 1, log_suffix: str = "") -> None:

@@ -33,26 +33,29 @@ def reference(reference_run) -> Path:
     return reference_run(*TINY_REFERENCE)  # COMMON's training on one node, fault-free
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _shm_of(pids: list[int]) -> list[str]:
+    """The batch-cache directories in /dev/shm of the agents ``pids`` (``ckless-<agent pid>-<hex>``)."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return [n for n in names if any(n.startswith(f"ckless-{pid}-") for pid in pids)]
 
 
 @pytest.fixture
 def partition_job(tmp_path, data_cache):
     """A :class:`PartitionJob` on three node namespaces; afterwards asserts nothing was left behind."""
-    shm_before = _shm()
     with NetnsCluster(3) as cluster:
         job = PartitionJob(cluster, tmp_path / "run", data_cache, f"trainer.max_steps={STEPS}")
         try:
             yield job
         finally:
             job.close()
-        left = cluster.pids()
+        deadline = time.monotonic() + 10  # the agents' children die with them (PDEATHSIG), not at once
+        while (left := cluster.pids()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         namespaces = [*cluster.node_ns, cluster.store_ns, cluster.bridge_ns]
     assert not left, f"processes left inside the namespaces: {left}"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [ns for ns in namespaces if ns in listed]
-    assert not {n for n in _shm() - shm_before if n.startswith("ckless")}, "shared memory left behind"
+    assert not _shm_of(job.agent_pids), "shared memory left behind"
 
 
 def _after(events: list[dict], t: float) -> list[dict]:

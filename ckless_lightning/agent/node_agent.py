@@ -63,7 +63,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -74,6 +73,7 @@ from ckless_lightning.agent.batch_cache_service import BatchCacheService
 from ckless_lightning.agent.budget import RestartBudget
 from ckless_lightning.agent.fork_server import ForkServer
 from ckless_lightning.agent.move_watch import MoveWatch
+from ckless_lightning.agent.node_fence import NodeFence, end_store_requests
 from ckless_lightning.agent.policies import (
     Action,
     Decision,
@@ -83,13 +83,12 @@ from ckless_lightning.agent.policies import (
     silence_limit,
 )
 from ckless_lightning.agent.processes import RankProcess, SparePool, is_stopped, reap
-from ckless_lightning.agent.store_lease import NodeFenced, StoreLease
+from ckless_lightning.agent.store_lease import NodeFenced
 from ckless_lightning.agent.store_look import Look, StoreLook
 from ckless_lightning.comm import Heartbeat, JobStore, StoreRefused
 from ckless_lightning.comm.beat_board import BeatBoard
 from ckless_lightning.comm.node_relay import JoinRelay
 from ckless_lightning.record.events import EventLog
-from ckless_lightning.recovery.sever import sever_connections_to
 from ckless_lightning.runtime.config import JobConfig
 from ckless_lightning.runtime.contract import ExitCode, RankSpec
 from ckless_lightning.runtime.faults import FaultSpec
@@ -98,9 +97,6 @@ from ckless_lightning.runtime.outside_faults import ChaosInjector, OutsideFaultI
 __all__ = ["EXIT_FAULT_BUDGET", "NodeAgent"]
 
 EXIT_FAULT_BUDGET = ExitCode.FAULT_BUDGET
-_GIVE_UP_GRACE_S = 30.0  # after a fenced agent gave up, for its main thread to leave on its own
-_END_REQUESTS_S = 2.0  # as the agent leaves, for the threads whose store requests it cut to return
-_STORE_THREADS = ("join-relay", "join-relay-barrier", "store-lease", "store-lease-ping")  # and *-move-watch
 
 
 def _free_port(host: str) -> int:
@@ -175,7 +171,7 @@ class NodeAgent:
         self._look: StoreLook | None = None  # this agent's passes' look at the store, once it has one
         self._watch: MoveWatch | None = None  # wakes the loop when the job's generation moves
         self._relay: JoinRelay | None = None  # the node's ranks join generations through it (tiers 3-4)
-        self._lease: StoreLease | None = None  # a store silent for agent.fence_after: the ranks stop
+        self._fence: NodeFence | None = None  # a store silent for agent.fence_after: the ranks stop
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -207,8 +203,8 @@ class NodeAgent:
         self._attach_store(self.store)
         self.store.set_node_owner(self.node, self.agent_id)
         if not is_host:  # a store in this process answers as long as the agent lives
-            self._lease = self._store_lease(self.store)
-            self._lease.start()
+            self._fence = NodeFence(self, self.store, self.cfg, self.cluster.store_address)
+            self._fence.lease.start()
         if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
             self.events.emit(
                 "job_start",
@@ -236,36 +232,16 @@ class NodeAgent:
                 self.events.emit("job_end", exit_code=code)
                 self._mark_ended(code)
             self.stop_ranks(graceful=False)
-            self.spares.close()
-            if self.fork_server is not None:
-                self.fork_server.close()
-            self.batch_cache.close()
-            if self._lease is not None:
-                self._lease.stop()
+            self.close_processes()
+            if self._fence is not None:
+                self._fence.lease.stop()
             self._stop_watch(release=is_host)  # (if the job's end did not already)
             if not is_host:
-                self._end_store_requests()
+                end_store_requests(self.cluster.store_address, self.node)
             if self.board is not None:  # after the node relay, which uses it
                 self.board.close()
             self.store = None  # drops the TCPStore: node 0's server closes its port
         return code
-
-    def _end_store_requests(self) -> None:
-        """As the agent leaves: end every request of this process still waiting on the job store (the
-        move watch's, the node relay's, the lease's ping: their bounded stops leave a thread whose
-        wait nobody released, e.g. after a takeover), and give those threads a moment to return.
-        A process that exits while a thread waits in C++ aborts (``terminate called without an active
-        exception``: the thread is unwound as the interpreter finalizes)."""
-        host, port = self.cluster.store_address
-        try:
-            sever_connections_to(socket.gethostbyname(host), port)
-        except OSError as err:  # nothing to cut, or the name no longer resolves: nothing waits then
-            print(f"[agent{self.node}] could not end the store requests left ({err})", file=sys.stderr)
-            return
-        deadline = time.monotonic() + _END_REQUESTS_S
-        for thread in threading.enumerate():
-            if thread.name in _STORE_THREADS or thread.name.endswith("-move-watch"):
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _attach_store(self, store: JobStore) -> None:
         """Use ``store`` (hosted or joined) from now on: this agent's passes' look at it."""
@@ -280,73 +256,21 @@ class NodeAgent:
             slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
         )
 
-    def _store_lease(self, store: JobStore) -> StoreLease:
-        """This agent's lease on its node (``agent/store_lease.py``): pinged on a connection of its own
-        whose requests wait at most ``agent.store_interval`` twice."""
-        client: list[JobStore] = []
+    def rank_pids(self) -> list[int]:
+        """The local rank processes' pids (:class:`~ckless_lightning.agent.node_fence.FencedNode`)."""
+        return [proc.pid for proc in list(self.ranks.values())]
 
-        def ping() -> None:
-            if not client:
-                client.append(store.another_client(timeout_s=2 * self.cfg.store_interval))
-            try:
-                client[0].generation()
-            except BaseException:
-                client.clear()  # a request that timed out may answer late: a fresh connection next time
-                raise
+    def kill_ranks(self) -> None:
+        """SIGKILL every local rank process (``FencedNode``; also from the lease's thread)."""
+        for proc in list(self.ranks.values()):
+            proc.kill()
 
-        assert self.cfg.fence_after is not None
-        return StoreLease(
-            ping,
-            fence_after_s=self.cfg.fence_after,
-            give_up_after_s=self.cfg.fence_after + 2 * self.cfg.node_timeout,
-            interval_s=self.cfg.store_interval,
-            on_fence=self._fence,
-            on_give_up=self._fenced_give_up,
-        )
-
-    def _fence(self, silent_s: float) -> None:
-        """The lease ran out (on its thread): kill this node's ranks before the job counts the node as
-        lost, so that no rank of it trains on in a generation the job left. The agent's next store pass
-        decides what follows (``agent/store_lease.py``)."""
-        pids = sorted(proc.pid for proc in self.ranks.values())
-        self._kill_ranks()
-        self.events.emit("fenced", node=self.node, silent_s=round(silent_s, 3), pids=pids)
-        print(
-            f"[agent{self.node}] no answer from the job store for {silent_s:.1f} s (agent.fence_after="
-            f"{self.cfg.fence_after:g}): killed this node's ranks {pids}, so that none of them trains on in "
-            "a generation the job may have moved to; waiting for the store",
-            file=sys.stderr,
-        )
-
-    def _fenced_give_up(self, silent_s: float) -> None:
-        """Still no store (on the lease's thread): the job replaced this node long ago, or lost its
-        store. Cut this process's connections to the store, so that the main thread's request blocked
-        on it fails now (``DistNetworkError``: exit 75 through :meth:`_store_lost`, cleaning up as
-        always) instead of after its connection's timeout (minutes); should it not end within
-        :data:`_GIVE_UP_GRACE_S`, the process ends here, its node's processes with it."""
-        host, port = self.cluster.store_address
-        print(
-            f"[agent{self.node}] no answer from the job store at {host}:{port} for {silent_s:.1f} s: this "
-            "node is cut off, or the store is gone; giving up",
-            file=sys.stderr,
-        )
-        sever_connections_to(socket.gethostbyname(host), port)
-        last_resort = threading.Timer(_GIVE_UP_GRACE_S, self._exit_now)
-        last_resort.daemon = True
-        last_resort.start()
-
-    def _exit_now(self) -> None:
-        """:meth:`_fenced_give_up`'s last resort: the main thread did not leave; end the node here."""
-        print(f"[agent{self.node}] the supervision loop did not end; exiting", file=sys.stderr)
-        try:
-            self._kill_ranks()
-            self.spares.close()
-            if self.fork_server is not None:
-                self.fork_server.close()
-            self.batch_cache.close()
-        finally:
-            sys.stderr.flush()
-            os._exit(EXIT_FAULT_BUDGET)  # the main thread cannot be woken from where it is blocked
+    def close_processes(self) -> None:
+        """Stop the spares, the fork server and the batch cache reader (``FencedNode``)."""
+        self.spares.close()
+        if self.fork_server is not None:
+            self.fork_server.close()
+        self.batch_cache.close()
 
     def _node_relay(self, gen: int) -> JoinRelay | None:
         """Tiers 3-4 with a heartbeat board: the node's ranks join generations through this agent
@@ -532,7 +456,7 @@ class NodeAgent:
         assert self._look is not None
         ranks = [r for r in self.local_ranks if r not in self.lost_slots]
         moved = self._watch is not None and self._watch.take()
-        fenced = self._lease is not None and self._lease.fenced  # only a store pass ends a fence
+        fenced = self._fence is not None and self._fence.lease.fenced  # only a store pass ends a fence
         if not moved and not fenced and self._look.since_pass() < self.cfg.store_interval:
             now = time.time()
             glance = self._look.glance(ranks)
@@ -542,7 +466,7 @@ class NodeAgent:
                     return obs
         now = time.time()
         look = self._look.look(gen, ranks)
-        if self._lease is not None and self._lease.renew():
+        if self._fence is not None and self._fence.lease.renew():
             self.events.emit("unfenced", node=self.node, owned=look.owned)
             print(f"[agent{self.node}] the job store answers again", file=sys.stderr)
         if not look.owned:
@@ -579,7 +503,7 @@ class NodeAgent:
             gen,
             beats,
             pid_of=lambda rank: self.ranks[rank].pid,
-            kill_ranks=self._kill_ranks,
+            kill_ranks=self.kill_ranks,
             lose_slot=self._lose_slot,
         )
         self.batch_cache.keep_running()
@@ -721,10 +645,10 @@ class NodeAgent:
         Writes the rank's first heartbeat (step -1, now) and its membership; emits nothing.
         """
         assert self.store is not None
-        if self._lease is not None and self._lease.fenced:
+        if self._fence is not None and self._fence.lease.fenced:
             raise NodeFenced(
                 f"not starting rank {rank} in generation {gen}: no answer from the job store for "
-                f"{self._lease.silent_s():.1f} s; the next store pass decides whether this node is still ours"
+                f"{self._fence.lease.silent_s():.1f} s; the next store pass decides whether the node is ours"
             )
         if self.job.comm.rootless:
             master_port = self.store_port
@@ -794,7 +718,3 @@ class NodeAgent:
         The first call starts the pool; afterwards the pool refills itself at every pass in which
         the ranks train (:meth:`_tend`), and this only confirms it."""
         self._spares_due = self.cfg.spares > 0
-
-    def _kill_ranks(self) -> None:
-        for proc in self.ranks.values():
-            proc.kill()
