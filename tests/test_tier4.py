@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 from checkpoint_utils import assert_same_run
-from conftest import MIXTRAL_REFERENCE, TINY_HSDP_REFERENCE, TINY_REFERENCE, launch_job
+from conftest import (
+    MIXTRAL_REFERENCE,
+    TINY_HSDP_REFERENCE,
+    TINY_REFERENCE,
+    launch_job,
+    left_behind_traces,
+    uncut_ranks,
+)
 from test_agent import events_of, job_processes
 from test_recovery_metrics import logged_recoveries
 from test_tier3 import pids_by_rank, plan_override
@@ -167,11 +174,16 @@ def test_replaced_ranks_restore_from_memory_bitwise(tmp_path, data_cache, refere
     rollbacks = sum(1 for _, _, _, phase in plan if source == "buddy" and phase in ("commit", "optimizer"))
     assert steps_lost and all(n <= 1 for n in steps_lost), summary.format()
     assert sum(steps_lost) == rollbacks, summary.format()
-    # Survivors kept their process: only killed ranks changed pid.
+    # Survivors kept their process: only killed ranks changed pid, and a rank the generation watch
+    # cut and could not free (the open gloo case, docs/troubleshooting.md: replaced like a hung rank,
+    # as in test_tier3; seen once in a fresh-clone CI run, mixtral plan2, rank 1 in generation 3).
     pids = pids_by_rank(run)
+    uncut = uncut_ranks(run)
+    if uncut:
+        print(f"ranks {sorted(uncut)} were not freed by their cut:\n{left_behind_traces(run)}")
     for rank in range(4):
         kills = sum(1 for kind, r, _, _ in plan if kind == "kill" and r == rank)
-        assert len(pids[rank]) == 1 + kills, (rank, pids[rank])
+        assert len(pids[rank]) == 1 + kills + (rank in uncut), (rank, pids[rank], sorted(uncut))
 
 
 @pytest.mark.timeout(900)
