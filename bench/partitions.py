@@ -1,6 +1,6 @@
 """What a network partition costs: nodes in network namespaces cut off and healed, per scenario.
 
-    sudo python bench/partitions.py [--scenarios none short node store-one store-all] [--tier 4]
+    sudo python bench/partitions.py [--scenarios none short node store-one peers-one store-all] [--tier 4]
         [--steps 16] [--json PATH]
 
 Needs root, iproute2 and the test extra (it runs the tests' harness, tests/netns.py and
@@ -12,6 +12,8 @@ Links are cut at step 7:
 - ``short``: node 1 cut off from everything for 1 s (below every timeout);
 - ``node``: node 1 cut off from everything until a standby took it over (plus 1 s), then healed;
 - ``store-one``: node 1 cut off from the store only (it still reaches its peers), same;
+- ``peers-one``: node 1 cut off from its peers only (it still reaches the store), same: the agents'
+  probes decide (``agent.probe_after`` = ``hang_timeout / 4`` = 5 s of silence);
 - ``store-all``: the store cut off from every node for 20 s (past fence and give-up).
 
 Per scenario: detection (cut to the fence of the cut-off node), the job moving on (cut to its next
@@ -36,13 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 from netns import NetnsCluster, netns_unavailable
 from partition_job import PartitionJob
 
-SCENARIOS = ("none", "short", "node", "store-one", "store-all")
+SCENARIOS = ("none", "short", "node", "store-one", "peers-one", "store-all")
 CUT_AT_STEP = 7
 _DECISIONS = ("fenced", "unfenced", "agent_replaced", "store_lost")
 
 
 def run_scenario(name: str, *, tier: int, steps: int, data_cache: Path, scratch: Path) -> dict:
-    standby = name in ("node", "store-one")
+    standby = name in ("node", "store-one", "peers-one")
     with NetnsCluster(3) as cluster:
         job = PartitionJob(cluster, scratch / name, data_cache, f"trainer.max_steps={steps}")
         try:
@@ -60,11 +62,11 @@ def run_scenario(name: str, *, tier: int, steps: int, data_cache: Path, scratch:
                     time.sleep(20.0)
                     cluster.heal_store()
                 else:
-                    store_only = name == "store-one"
-                    cluster.cut(1, peers=not store_only)
+                    links = {"peers": name != "store-one", "store": name != "peers-one"}
+                    cluster.cut(1, **links)
                     job.wait_for_event("generation", timeout=120, gen=1)
                     time.sleep(1.0)
-                    cluster.heal(1, peers=not store_only)
+                    cluster.heal(1, **links)
             codes = job.finish(timeout=300)
         finally:
             job.close()

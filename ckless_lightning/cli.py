@@ -23,6 +23,7 @@ from ckless_lightning.runtime.contract import ExitCode
 
 if TYPE_CHECKING:
     from ckless_lightning.agent.fork_server import ForkServer
+    from ckless_lightning.agent.peer_reach import ReachListener
     from ckless_lightning.runtime.config import JobConfig
 
 __all__ = ["command_line_keys", "run_job"]
@@ -207,21 +208,50 @@ def _run_job(
     else:
         print(f"data: {job.datamodule.target} (your DataModule; no batch cache)")
     print(f"resuming from {resume}" if resume else "starting from step 0")
-    if job.cluster.standby:
-        taken = _stand_by(job, container, run_dir, secret)
-        if taken is None:
-            return 0
-        job, config_path = taken
-        resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
-    start_step = checkpoint_step(resume) if resume else 0
-    code = _run_agent(job, config_path, prepared and prepared.path, start_step, fork_server, secret)
+    listener = _reach_listener(job, env)
+    try:
+        if job.cluster.standby:
+            taken = _stand_by(job, container, run_dir, secret, listener)
+            if taken is None:
+                return 0
+            job, config_path = taken
+            resume = resolve_resume(job.checkpoint.resume, job.checkpoint.dir)
+        start_step = checkpoint_step(resume) if resume else 0
+        code = _run_agent(
+            job, config_path, prepared and prepared.path, start_step, fork_server, secret, listener
+        )
+    finally:
+        if listener is not None:
+            listener.close()
     _report(job, run_dir, code)
     return code
 
 
-def _stand_by(job: Any, container: dict[str, Any], run_dir: Path, secret: str) -> tuple[Any, Path] | None:
+def _reach_listener(job: Any, env: Mapping[str, str]) -> ReachListener | None:
+    """Multi-node jobs with ``agent.peer_probe``: this agent's :class:`ReachListener` on its node's
+    peer address (``agent/peer_reach.py``); None otherwise, or when that address cannot be found."""
+    if job.cluster.nnodes < 2 or not job.agent.peer_probe:
+        return None
+    from ckless_lightning.agent.peer_reach import ReachListener, peer_host
+
+    try:
+        return ReachListener(peer_host(env))
+    except OSError as err:
+        print(
+            f"warning: no peer probes from this node ({err}): a node cut off from the others but not from "
+            "the store is found by the hang timeout alone; set GLOO_SOCKET_IFNAME (or NCCL_SOCKET_IFNAME) "
+            "to the interface the ranks use, or agent.peer_probe=false to silence this",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _stand_by(
+    job: Any, container: dict[str, Any], run_dir: Path, secret: str, listener: ReachListener | None
+) -> tuple[Any, Path] | None:
     """``cluster.standby``: wait, prepared, until a node goes silent, then become its agent: the job
-    as that node's (and its config file), or None when the job ended without needing this one."""
+    as that node's (and its config file), or None when the job ended without needing this one.
+    ``listener``: answers the node agents' peer probes meanwhile (None: none)."""
     from ckless_lightning.agent.standby import stand_by
     from ckless_lightning.runtime.config import job_config_from_dict
 
@@ -235,6 +265,7 @@ def _stand_by(job: Any, container: dict[str, Any], run_dir: Path, secret: str) -
         node_timeout_s=job.agent.node_timeout,
         agent_id=f"{socket.gethostname()}:{os.getpid()}",
         interval_s=job.agent.store_interval,
+        reach_address=listener.address if listener is not None else None,
     )
     if node is None:
         print("standby: the job ended without needing this agent")
@@ -272,6 +303,7 @@ def _run_agent(
     start_step: int,
     fork_server: ForkServer | None,
     secret: str,
+    listener: ReachListener | None = None,
 ) -> int:
     from ckless_lightning.agent.node_agent import NodeAgent
 
@@ -287,6 +319,7 @@ def _run_agent(
             secret=secret,
             start_step=start_step or 0,
             fork_server=fork_server,
+            reach_listener=listener,
         ).run()
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -107,6 +107,25 @@ def test_partition_node_cut_off_is_fenced_and_taken_over(partition_job, referenc
     assert sorted(set(steps)) == list(range(1, STEPS + 1)) and len(steps) - STEPS <= 1, steps
 
 
+def _cut_node1_until_taken_over(
+    job: PartitionJob, reference: Path, tmp_path: Path, *, peers: bool, store: bool
+) -> tuple[float, dict, dict]:
+    """At step 7, cut node 1's ``peers`` and/or ``store`` link until it fenced and the job moved on (and
+    1 s more), heal it, and check that every agent ended 0 and the run is bitwise the reference: the
+    cut's time, the fence and the move."""
+    job.wait_for_step(CUT_AT_STEP)
+    job.cluster.cut(1, peers=peers, store=store)
+    cut_at = time.time()
+    fenced = job.wait_for_event("fenced", node=1)
+    moved = job.wait_for_event("generation", gen=1)
+    time.sleep(1.0)
+    job.cluster.heal(1, peers=peers, store=store)
+    codes = job.finish()
+    assert codes == {"node0": 0, "node1": 0, "standby": 0}, job.logs()
+    assert_same_run(job.run, reference, tmp_path, STEPS)
+    return cut_at, fenced, moved
+
+
 @pytest.mark.timeout(420)
 def test_partition_store_cut_off_from_one_node_is_one_decision(partition_job, reference, tmp_path):
     """Node 1 reaches its peers but not the store: the store decides. Node 1's agent fences its own
@@ -114,19 +133,39 @@ def test_partition_store_cut_off_from_one_node_is_one_decision(partition_job, re
     is blamed or stopped by anyone but the job's recovery, and the job ends bitwise equal."""
     job = partition_job
     job.start_nodes(standby=True)
-    job.wait_for_step(CUT_AT_STEP)
-    job.cluster.cut(1, peers=False, store=True)
-    fenced = job.wait_for_event("fenced", node=1)
-    moved = job.wait_for_event("generation", gen=1)
-    time.sleep(1.0)
-    job.cluster.heal(1, peers=False, store=True)
-    codes = job.finish()
-    assert codes == {"node0": 0, "node1": 0, "standby": 0}, job.logs()
-    assert_same_run(job.run, reference, tmp_path, STEPS)
+    _, fenced, moved = _cut_node1_until_taken_over(job, reference, tmp_path, peers=False, store=True)
     assert [e["node"] for e in job.events("fenced")] == [1]  # node 0 kept its store: never fenced
     assert moved["t"] > fenced["t"], (moved, fenced)  # the job acted on the fenced node only after the fence
     assert [e["node"] for e in job.events("agent_replaced")] == [1]
     assert not job.events("giveup")
+
+
+@pytest.mark.timeout(420)
+def test_partition_peers_cut_off_from_one_node_is_one_decision(partition_job, reference, tmp_path):
+    """Node 1 reaches the store but not its peers (the reverse of the test above): every rank waits in
+    a collective whose bytes vanish. The agents probe each other over the peer network
+    (agent/peer_reach.py) before any hang is blamed; the stored verdict names node 1 alone: its agent
+    kills its ranks and falls silent, the standby (which node 0 reaches) takes node 1 over, node 0's
+    ranks get a fresh hang timeout and are never blamed, and the job ends bitwise equal with at most
+    the step in flight redone. Before the probes: every node blamed its own ranks after
+    agent.hang_timeout until the fault budget was spent (exit 75 on both nodes after 75 s)."""
+    job = partition_job
+    job.start_nodes(standby=True, tier=4)
+    cut_at, fenced, moved = _cut_node1_until_taken_over(job, reference, tmp_path, peers=True, store=False)
+    assert [(e["node"], e["reason"]) for e in job.events("fenced")] == [(1, "peers")]
+    # Within agent.probe_after (hang_timeout / 4 = 5 s) of the last beat, a probe and the settling.
+    assert fenced["t"] - cut_at < 5 + 1 + 2 + 4, fenced["t"] - cut_at
+    assert [e["cut_off"] for e in job.events("peers_cut_off")] == [[1]]  # node 0 read the same verdict
+    assert moved["t"] > fenced["t"], (moved, fenced)
+    assert not [e for e in job.events("fault_detected") if e["reason"] == "hang"], "a rank was blamed"
+    gen0_node1 = [e for e in job.events("ranks_started") if e["node"] == 1 and e["gen"] == 0]
+    assert sorted(fenced["pids"]) == sorted(gen0_node1[0]["pids"])
+    phases = _after(job.events("rank_phase"), fenced["t"])
+    assert not [e for e in phases if e["rank"] in (2, 3) and e["gen"] == 0]
+    assert [e["node"] for e in job.events("agent_replaced")] == [1]
+    assert not job.events("giveup")
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (job.run / "losses.jsonl").open()]
+    assert sorted(set(steps)) == list(range(1, STEPS + 1)) and len(steps) - STEPS <= 1, steps
 
 
 @pytest.mark.timeout(480)

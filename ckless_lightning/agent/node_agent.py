@@ -74,6 +74,13 @@ from ckless_lightning.agent.budget import RestartBudget
 from ckless_lightning.agent.fork_server import ForkServer
 from ckless_lightning.agent.move_watch import MoveWatch
 from ckless_lightning.agent.node_fence import NodeFence, end_store_requests
+from ckless_lightning.agent.peer_reach import (
+    PeerReach,
+    ReachListener,
+    Verdict,
+    fence_cut_off,
+    wait_for_replacement,
+)
 from ckless_lightning.agent.policies import (
     Action,
     Decision,
@@ -121,11 +128,13 @@ class NodeAgent:
         secret: str,
         start_step: int = 0,
         fork_server: ForkServer | None = None,
+        reach_listener: ReachListener | None = None,
     ) -> None:
         """``prepared_path``: the packed dataset (tier 2's reader reads it; None: a user's DataModule,
         no batch cache); ``secret``: the job store's (:mod:`ckless_lightning.comm.secret`);
         ``start_step``: the optimizer step the job resumes from; ``fork_server``: one ``launch.py``
-        started early (with ``agent.fork_server`` and none given, the agent starts its own)."""
+        started early (with ``agent.fork_server`` and none given, the agent starts its own);
+        ``reach_listener``: answers peer probes (``agent/peer_reach.py``; None: no probes)."""
         self.job = job
         self.secret = secret
         self.agent_id = f"{socket.gethostname()}:{os.getpid()}"  # who acts as this node (ownership)
@@ -172,6 +181,8 @@ class NodeAgent:
         self._watch: MoveWatch | None = None  # wakes the loop when the job's generation moves
         self._relay: JoinRelay | None = None  # the node's ranks join generations through it (tiers 3-4)
         self._fence: NodeFence | None = None  # a store silent for agent.fence_after: the ranks stop
+        self._reach_listener = reach_listener
+        self._reach: PeerReach | None = None  # which node is cut off from the others' peer network
 
     # -- lifecycle -----------------------------------------------------------
     def run(self) -> int:
@@ -205,6 +216,18 @@ class NodeAgent:
         if not is_host:  # a store in this process answers as long as the agent lives
             self._fence = NodeFence(self, self.store, self.cfg, self.cluster.store_address)
             self._fence.lease.start()
+        if self._reach_listener is not None:
+            assert self.cfg.probe_after is not None
+            self._reach = PeerReach(
+                self.store,
+                self._reach_listener,
+                agent_id=self.agent_id,
+                node=self.node,
+                nnodes=self.cluster.nnodes,
+                probe_after_s=self.cfg.probe_after,
+                connect=lambda: self.store.another_client(timeout_s=10.0),  # type: ignore[union-attr]
+            )
+            self._reach.register()
         if self.node == 0 and self.store.claim_job_start():  # not again by a replacement of node 0
             self.events.emit(
                 "job_start",
@@ -421,6 +444,8 @@ class NodeAgent:
         obs = self._observe(gen)
         if obs is None:
             return gen, self._taken_over()
+        if self._reach is not None and (verdict := self._check_peers(gen, obs)) is not None:
+            return gen, self._leave_cut_off(gen, verdict)
         decision = policy.decide(obs)
         gen = decision.generation
         if decision.action is Action.DONE:
@@ -442,6 +467,44 @@ class NodeAgent:
             self._pause()
         # Action.CONTINUE: the policy acted; observe again at once
         return gen, None
+
+    def _check_peers(self, gen: int, obs: Observation) -> Verdict | None:
+        """Probe the other agents once ranks have been silent in a step for ``agent.probe_after``
+        (``agent/peer_reach.py``); the verdict when it says this node is cut off from the others. When
+        it says another node is, the live local ranks get a fresh hang timeout for the job's move."""
+        assert self._reach is not None
+        running = [rank for rank, code in obs.codes.items() if code is None]
+        if self._reach.suspects(obs.now, obs.beats, running):
+            self._reach.check(gen)
+        verdict = self._reach.take()
+        if verdict is None or verdict.gen != gen or not verdict.cut_off:
+            return None
+        if self.node in verdict.cut_off:
+            return verdict
+        self.events.emit("peers_cut_off", node=self.node, cut_off=list(verdict.cut_off), gen=gen)
+        now = time.time()
+        for rank in running:
+            beat = obs.beats[rank]
+            self.restart_hang_clock(rank, Heartbeat(beat.gen, beat.completed_step, now, beat.phase))
+        return None
+
+    def _leave_cut_off(self, gen: int, verdict: Verdict) -> int:
+        """The job's verdict: this node is cut off from the others. Kill its ranks, stop beating, and
+        wait until the job no longer needs it (taken over: exit 0; given up; done)."""
+        assert self.store is not None
+        fence_cut_off(self, verdict)
+        lease = self._fence.lease if self._fence is not None else None
+        how = wait_for_replacement(
+            self.store,
+            self.node,
+            self.agent_id,
+            interval_s=self.cfg.store_interval,
+            renewed=(lambda: lease.renew() and None) if lease is not None else (lambda: None),
+            hosting=self._fence is None,  # an agent that hosts the store keeps it open to the end
+        )
+        if how == "taken":
+            return self._taken_over()
+        return self._give_up_exit() if how == "giveup" else ExitCode.OK
 
     def _observe(self, gen: int) -> Observation | None:
         """One pass's look; acts on nothing. None: another agent (a standby) took this node over while

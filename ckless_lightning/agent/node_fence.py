@@ -87,7 +87,7 @@ class NodeFence:
         agent = self.agent
         pids = sorted(agent.rank_pids())
         agent.kill_ranks()
-        agent.events.emit("fenced", node=agent.node, silent_s=round(silent_s, 3), pids=pids)
+        agent.events.emit("fenced", node=agent.node, reason="store", silent_s=round(silent_s, 3), pids=pids)
         print(
             f"[agent{agent.node}] no answer from the job store for {silent_s:.1f} s (agent.fence_after="
             f"{self.cfg.fence_after:g}): killed this node's ranks {pids}, so that none of them trains on in "

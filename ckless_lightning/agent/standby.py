@@ -73,13 +73,17 @@ def stand_by(
     node_timeout_s: float,
     agent_id: str,
     interval_s: float = 1.0,
+    reach_address: str | None = None,
 ) -> int | None:
     """Join the job store at ``host:port`` and wait to take a lost node over: its number, or None
     when the job ended (done, gave up, or its store is gone) without needing this standby.
-    ``interval_s``: between its looks at the store (``agent.store_interval``)."""
+    ``interval_s``: between its looks at the store (``agent.store_interval``); ``reach_address``:
+    where this standby answers the node agents' peer probes (``agent/peer_reach.py``), registered."""
     from torch.distributed import DistNetworkError
 
     store = JobStore.connect(host, port, secret=secret)
+    if reach_address is not None:
+        store.register_reach(agent_id, reach_address)
     watch = StandbyWatch(
         store, nnodes=nnodes, node_timeout_s=node_timeout_s, agent_id=agent_id, interval_s=interval_s
     )

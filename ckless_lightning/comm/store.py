@@ -43,6 +43,12 @@ key                                value                                        
 ``agent/<node>/beats``             count each agent raises per pass (liveness, no clocks)     agent
 ``owner/<node>``                   the agent now acting as ``node`` (a standby takes it over)  agent
 ``claim/<node>/<beats>``           the standby agent that takes ``node``, silent at ``beats``  standby
+``reach/agents``                   ``<agent id>=<host:port>`` lines: where each agent answers  agent,
+                                   reachability probes on its peer network (peer_reach.py)     standby
+``reach/<g>``                      ``<node> <agent id> <unreached ids>`` lines: what each      agent
+                                   agent whose ranks hung in ``g`` could not reach
+``reach/<g>/verdict``              the nodes cut off from the others in ``g`` (``-``: none),   agent
+                                   set once
 ``started/<g>/<node>``             the node's ranks were started in generation ``g``           agent
 ``master_port/<g>``                tier 0: rank 0's rendezvous port of generation ``g``        agent 0
 ``done/<g>/<node>``                a node's ranks all finished in generation ``g``             agent
@@ -470,6 +476,47 @@ class JobStore:
         claimant per silence (several standby agents may see it at once)."""
         key = f"claim/{node}/{silent_at_beats}"
         return self._tcp.compare_set(key, "", agent_id).decode() == agent_id
+
+    def node_owners(self, nnodes: int) -> dict[int, str]:
+        """The agent acting as each of nodes ``0..nnodes-1`` (those that have one), in one request
+        once all have."""
+        keys = [f"owner/{n}" for n in range(nnodes)]
+        if self._tcp.check(keys):
+            return {n: raw.decode() for n, raw in enumerate(self._tcp.multi_get(keys))}
+        return {n: owner for n in range(nnodes) if (owner := self.node_owner(n)) is not None}
+
+    # -- peer reachability (agent/peer_reach.py) ------------------------------
+    def register_reach(self, agent_id: str, address: str) -> None:
+        """``agent_id`` answers reachability probes at ``address`` (``host:port``) on its node's peer
+        network; appended, once per agent process."""
+        self._tcp.append("reach/agents", f"{agent_id}={address}\n")
+
+    def reach_agents(self) -> dict[str, str]:
+        """Every registered agent's probe address (agent id -> ``host:port``), in one request."""
+        if not self._tcp.check(["reach/agents"]):
+            return {}
+        lines = self._tcp.get("reach/agents").decode().splitlines()
+        return dict(line.split("=", 1) for line in lines if line)
+
+    def report_unreached(self, gen: int, node: int, agent_id: str, unreached: list[str]) -> None:
+        """Node ``node``'s agent ``agent_id`` could not reach ``unreached`` (agent ids) in ``gen``."""
+        self._tcp.append(f"reach/{gen}", f"{node} {agent_id} {','.join(unreached)}\n")
+
+    def reach_reports(self, gen: int) -> dict[int, tuple[str, list[str]]]:
+        """The reports of ``gen`` so far: node -> (its agent, the agents it could not reach)."""
+        key = f"reach/{gen}"
+        if not self._tcp.check([key]):
+            return {}
+        reports = {}
+        for line in self._tcp.get(key).decode().splitlines():
+            node, agent_id, unreached = [*line.split(" ", 2), ""][:3]
+            reports[int(node)] = (agent_id, [a for a in unreached.split(",") if a])
+        return reports
+
+    def settle_reach_verdict(self, gen: int, cut_off: list[int]) -> list[int]:
+        """Record ``cut_off`` as ``gen``'s verdict unless one is recorded: the verdict that stands."""
+        stood = self._tcp.compare_set(f"reach/{gen}/verdict", "", ",".join(map(str, cut_off)) or "-")
+        return [] if stood.decode() == "-" else [int(n) for n in stood.decode().split(",")]
 
     # -- per-generation rendezvous and completion --------------------------
     def publish_master_port(self, gen: int, port: int) -> None:

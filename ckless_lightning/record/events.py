@@ -129,6 +129,18 @@ exchange_wait_s, host_copy_bytes, digests, digest_s}
     and stops its ranks: what happens to the job after this is its end, not a fault.
 ``job_end`` {exit_code, final_step}
     The agent ends the job.
+``fenced`` {node, reason, pids, silent_s (``store``) | unreached (``peers``)}
+    The agent of ``node`` killed its ranks ``pids`` itself: ``store``, no answer from the job store
+    for ``silent_s`` (``agent.fence_after``, ``agent/store_lease.py``); ``peers``, the job's verdict
+    says the node is cut off from the other nodes (``unreached``: the agents it could not reach,
+    ``agent/peer_reach.py``).
+``unfenced`` {node, owned}
+    The store answers the agent again; ``owned``: the node is still its own.
+``peers_cut_off`` {node, cut_off: [int], gen}
+    The agent of ``node`` read the verdict that nodes ``cut_off`` are cut off from the others in
+    ``gen``; its own ranks get a fresh ``agent.hang_timeout`` for the job's move.
+``agent_replaced`` {node, by}
+    An agent found its node taken over by ``by`` (a standby) and left it.
 
 Emitters may add fields to these, and kinds of their own (the summary ignores
 what it does not know); ``EVENT_KINDS`` lists the kinds documented here.
@@ -179,6 +191,10 @@ EVENT_KINDS = (
     "reader_started",
     "reader_restarted",
     "rank_lost_after_end",
+    "fenced",
+    "unfenced",
+    "peers_cut_off",
+    "agent_replaced",
 )
 
 RECOVERY_PHASES = ("recovery_start", "generation_left", "generation_joined", "resume_chosen")

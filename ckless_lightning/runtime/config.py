@@ -252,6 +252,11 @@ class AgentConfig:
     store for this long kills its ranks itself (a node cut off from the network), so that they are
     gone before the job counts the node as lost (``agent/store_lease.py``); no answer for
     ``node_timeout`` twice more: it exits 75.
+
+    ``peer_probe`` (multi-node jobs): an agent whose ranks have been silent in a step for
+    ``probe_after`` (default ``hang_timeout / 4``) probes the other agents over the peer network; a
+    node cut off from the others (it still reaches the store) kills its ranks and leaves its place
+    to a standby (``agent/peer_reach.py``).
     """
 
     spares: int = 0
@@ -269,6 +274,8 @@ class AgentConfig:
     stop_grace_s: float = 10.0
     replace_timeout: float = 60.0
     fence_after: float | None = None
+    peer_probe: bool = True
+    probe_after: float | None = None
 
     def __post_init__(self) -> None:
         if self.spares < 0:
@@ -308,6 +315,14 @@ class AgentConfig:
                 f"below agent.node_timeout={self.node_timeout:g} s (a cut-off node's ranks must be stopped "
                 "before the job counts the node as lost): leave it unset (node_timeout / 2) or pick a "
                 "value in that range"
+            )
+        if self.probe_after is None:
+            self.probe_after = self.hang_timeout / 4
+        if not 0 < self.probe_after < self.hang_timeout:
+            raise ValueError(
+                f"agent.probe_after={self.probe_after:g} must be above 0 and below agent.hang_timeout="
+                f"{self.hang_timeout:g} s (the probe decides which node is cut off before a hung rank is "
+                "blamed): leave it unset (hang_timeout / 4) or pick a value in that range"
             )
 
 
