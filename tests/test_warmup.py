@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ckless_lightning.recovery.memory import MemoryRestore
-from ckless_lightning.replication.warmup import WarmUp, warm_optimizer_step
+from ckless_lightning.replication.warmup import WarmUp, warm_first_step, warm_optimizer_step
 from tests.dist import run_ranks
 
 STEPS = 3
@@ -86,19 +86,100 @@ def _train(rank: int, world_size: int, warm: bool) -> dict:
     return {"state": state, "first_s": first, "comms": comms, "on_mesh": on_mesh, "warmed": warmed}
 
 
+def _assert_bitwise_equal(cold: dict[str, torch.Tensor], warm: dict[str, torch.Tensor]) -> None:
+    assert cold.keys() == warm.keys()
+    for key in cold:
+        a, b = cold[key].reshape(-1), warm[key].reshape(-1)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+
+
 def test_warm_up_changes_no_bit_keeps_the_real_mesh_and_makes_the_first_step_fast() -> None:
     cold = run_ranks(_train, 2, False)
     warm = run_ranks(_train, 2, True)
     for c, w in zip(cold, warm, strict=True):
-        assert c["state"].keys() == w["state"].keys()
-        for key in c["state"]:
-            a, b = c["state"][key].reshape(-1), w["state"][key].reshape(-1)
-            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+        _assert_bitwise_equal(c["state"], w["state"])
         assert w["on_mesh"] and c["on_mesh"]
         assert w["comms"] == 0  # the throwaway steps made no collective
         assert w["warmed"].params == 64 and w["warmed"].skipped == ()
     # The cold first step pays DTensor's sharding propagation; the warmed one finds it cached.
     # Wide margin (measured 30-80x on 2 cores): only the ratio, no wall-clock bound.
+    cold_s = max(c["first_s"] for c in cold)
+    warm_s = max(w["first_s"] for w in warm)
+    assert cold_s > 3 * warm_s, (cold_s, warm_s)
+
+
+def _clip_hsdp(rank: int, world_size: int, warm: bool) -> dict:
+    """HSDP 2x2 (4 gloo ranks), AdamW in two groups, each step's gradients clipped as Lightning clips
+    them (``clip_grad_norm_`` over the optimizer's parameters, max norm 0.01: every step scales);
+    ``warm``: :func:`warm_first_step` first, under a dispatch mode that records every collective and
+    the devices of its tensors. Returns the state after ``STEPS`` steps, the first clipping's seconds
+    and what the warm-up did."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Collectives(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, set[str]]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # DTensor's own dispatch; its local ops come back here
+            if func.namespace in ("_c10d_functional", "c10d", "c10d_functional"):
+                flat = [*args, *(kwargs or {}).values()]
+                tensors = [t for a in flat for t in (a if isinstance(a, (list, tuple)) else [a])]
+                devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+                self.seen.append((str(func), devices))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model(32, mesh)
+    optimizer = torch.optim.AdamW(_groups(model), lr=1e-2, foreach=True)
+    warmed, collectives = None, None
+    if warm:
+        with Collectives() as recorder:
+            warmed = warm_first_step([optimizer], 0.01)
+        collectives = recorder.seen
+    first = 0.0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for step in range(STEPS):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).square().mean().backward()
+        start = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 0.01)
+        if step == 0:
+            first = time.perf_counter() - start
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {
+        f"{name}/{key}": (value.to_local() if isinstance(value, DTensor) else value).clone()
+        for name, param in model.named_parameters()
+        for key, value in [("param", param), *sorted(optimizer.state[param].items())]
+    }
+    on_mesh = all(p.device_mesh is mesh for p in model.parameters())
+    return {
+        "state": state,
+        "first_s": first,
+        "warmed": warmed,
+        "collectives": collectives,
+        "on_mesh": on_mesh,
+    }
+
+
+def test_the_clipping_warm_up_on_a_2d_mesh_changes_no_bit_reaches_no_process_group_and_is_fast() -> None:
+    cold = run_ranks(_clip_hsdp, 4, False)
+    warm = run_ranks(_clip_hsdp, 4, True)
+    for c, w in zip(cold, warm, strict=True):
+        _assert_bitwise_equal(c["state"], w["state"])
+        assert w["on_mesh"]
+        assert w["warmed"].clipped == 32 and w["warmed"].params == 32 and w["warmed"].skipped == ()
+        # The total norm's reduction ran, on meta tensors only: torch's meta kernel, no process group.
+        assert w["collectives"], "the throwaway clipping reduced no norm: not the real path"
+        assert all(devices == {"meta"} for _, devices in w["collectives"]), w["collectives"]
+    # Cold, the first clipping pays the norms' sharding propagation (0.3 s here); warmed, it finds it
+    # cached (0.01 s). Wide margin: only the ratio, no wall-clock bound.
     cold_s = max(c["first_s"] for c in cold)
     warm_s = max(w["first_s"] for w in warm)
     assert cold_s > 3 * warm_s, (cold_s, warm_s)

@@ -62,7 +62,7 @@ from ckless_lightning.replication.adopt import adopt_optimizer_state, adopt_para
 from ckless_lightning.replication.buddy_links import form_buddy_links
 from ckless_lightning.replication.loop_state import decode_loop_state
 from ckless_lightning.replication.state import copy_into, local_state_tensors, set_param_groups
-from ckless_lightning.replication.warmup import WarmUp, process_is_warm, warm_optimizer_step
+from ckless_lightning.replication.warmup import WarmUp, clip_norm_of, process_is_warm, warm_first_step
 from ckless_lightning.runtime.checkpointing import latest_checkpoint
 
 __all__ = ["MemoryRestore", "StartOver"]
@@ -175,7 +175,7 @@ class MemoryRestore:
             assert plan.step is not None
             loop = self._fill(plan, rank, tensors)
             if self.warm_first_step and rank in plan.lost and not process_is_warm():
-                bad = self._receive_warming(plan, rank, tensors, optimizers)
+                bad = self._receive_warming(plan, rank, tensors, optimizers, clip_norm_of(module))
             else:
                 bad = self._receive(plan, rank, tensors)
             if bad:
@@ -262,8 +262,10 @@ class MemoryRestore:
         rank: int,
         tensors: list[torch.Tensor],
         optimizers: list[torch.optim.Optimizer],
+        clip_norm: float | None = None,
     ) -> frozenset[Transfer]:
-        """:meth:`_receive` on a helper thread while this (the training) thread warms the first step.
+        """:meth:`_receive` on a helper thread while this (the training) thread warms the first step
+        (its clipping to ``clip_norm``, None: none, and its optimizer step).
 
         DTensor's caches are per thread, so the warm-up must run here; the transfer touches only
         local tensors (no DTensor dispatch) and is the only communication while both run (the
@@ -290,7 +292,7 @@ class MemoryRestore:
         helper = threading.Thread(target=transfer, name="tier4-transfer", daemon=True)
         helper.start()
         try:
-            self.warmed = warm_optimizer_step(optimizers)
+            self.warmed = warm_first_step(optimizers, clip_norm)
         finally:  # whatever the warm-up did, the transfer in flight is waited for, never left behind
             done.acquire()  # a C lock: the innermost Python frame stays this one (``peers``)
             helper.join()
@@ -300,6 +302,7 @@ class MemoryRestore:
             step=None,
             seconds=round(self.warmed.seconds, 6),
             params=self.warmed.params,
+            clipped=self.warmed.clipped,
             skipped=list(self.warmed.skipped),
             during="transfer",
         )

@@ -53,7 +53,12 @@ from ckless_lightning.replication.state import (
     rng_state,
     set_rng_state,
 )
-from ckless_lightning.replication.warmup import mark_process_warm, process_is_warm, warm_optimizer_step
+from ckless_lightning.replication.warmup import (
+    clip_norm_of,
+    mark_process_warm,
+    process_is_warm,
+    warm_first_step,
+)
 from ckless_lightning.runtime.checkpointing import commit_checkpoint, staging_path
 from ckless_lightning.runtime.contract import UsageError
 from ckless_lightning.training._lightning_compat import init_distributed, install_device_mesh
@@ -107,8 +112,9 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         data_seed: orders a user's shuffled train loader (:meth:`process_dataloader`), with the epoch;
             None: the seed of ``lightning.seed_everything``, as Lightning's own DistributedSampler.
         warm_first_step: tiers 3-4: a process that never stepped its optimizer (a replaced rank) warms
-            DTensor's caches for its first step once the checkpoint is loaded
-            (:func:`~ckless_lightning.replication.warmup.warm_optimizer_step`; no bit changes), unless
+            DTensor's caches for its first step (the gradient clipping's norm and the optimizer step)
+            once the checkpoint is loaded (:func:`~ckless_lightning.replication.warmup.warm_first_step`;
+            no bit changes), unless
             tier 4's restore already did while the state moved. A ``first_step_warmed`` phase says so.
     """
 
@@ -340,8 +346,10 @@ class CheckpointlessStrategy(ModelParallelStrategy):
         """After a restore, in a process that never stepped (see ``warm_first_step``)."""
         if not self._warm_first_step or process_is_warm() or not self.optimizers:
             return
-        done = warm_optimizer_step(list(self.optimizers))
-        self._on_phase("first_step_warmed", seconds=round(done.seconds, 6), params=done.params)
+        done = warm_first_step(list(self.optimizers), clip_norm_of(self.lightning_module))
+        self._on_phase(
+            "first_step_warmed", seconds=round(done.seconds, 6), params=done.params, clipped=done.clipped
+        )
         for why in done.skipped:
             print(f"rank {self.global_rank}: first-step warm-up skipped: {why}", file=sys.stderr)
 
