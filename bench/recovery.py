@@ -3,6 +3,7 @@ of this script.
 
     python bench/recovery.py [--recipe llama3_tiny] [--steps 30] [--every 10] [--fault-step 25]
                              [--skip-torchrun] [--skip-two-nodes] [--node-timeout 5] [--set KEY=VALUE]
+                             [--rows tier4b,tier4h]
 
 Every fault row trains the same recipe on 4 local ranks with a checkpoint every
 ``--every`` steps and one SIGKILL of rank 1 in the forward of step
@@ -45,7 +46,10 @@ the step, tier 4's steady-state step-time overhead, the state digest's cost per
 step (from the HSDP row's votes), the extra memory per rank
 of each tier 4 source, the peer-to-peer transfer against memcpy
 (``bench/p2p_transfer.py``), and tier 4 against the recovery targets. The
-machine is shared and noisy: compare rows and figures of one run.
+machine is shared and noisy: compare rows and figures of one run. ``--rows`` runs only the named
+fault rows (run dir names: tier0 tier1 tier1s tier3 tier4b tier4h), no run without a fault and no
+torchrun or two-node row, and prints the table and the first step after each recovery: quick
+alternated pairs, e.g. ``--rows tier4b,tier4h`` with and without ``--set trainer.warm_first_step=false``.
 """
 
 from __future__ import annotations
@@ -594,6 +598,26 @@ def figure_targets(
     return out
 
 
+def main_rows(args: argparse.Namespace, keys: list[str]) -> None:
+    """``--rows``: the named fault rows only, their table and their first step after the recovery."""
+    started = time.monotonic()
+    rows: list[tuple[str, tuple[FaultRecovery, float] | str]] = []
+    runs: dict[str, Run] = {}
+    with tempfile.TemporaryDirectory(prefix="ckless-recovery-") as tmp:
+        for name, key, extra in FAULT_ROWS:
+            if key in keys:
+                run = runs[key] = launch(Path(tmp) / key, args, *extra)
+                rows.append((name, run.error if run.error else only_fault(run.run_dir)))
+        first = figure_first_step(runs)
+    print("\n".join(table(rows)))
+    print(
+        f"\n{args.recipe}, 4 ranks, SIGKILL of rank 1 in the forward of step {args.fault_step}; "
+        f"--set {args.set}"
+    )
+    print("\n".join(line for line in first if "not run" not in line))
+    print(f"\n({time.monotonic() - started:.0f} s for this script)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -615,7 +639,20 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a config override for every job (repeatable), e.g. trainer.warm_first_step=false",
     )
+    parser.add_argument(
+        "--rows",
+        default="",
+        help="only these fault rows, comma-separated run dir names (e.g. tier4b,tier4h); no figures but "
+        "the first step after each recovery",
+    )
     args = parser.parse_args()
+    rows_only = [r for r in args.rows.split(",") if r]
+    unknown = set(rows_only) - {key for _, key, _ in FAULT_ROWS}
+    if unknown:
+        parser.error(f"--rows: unknown {sorted(unknown)}; known: {[key for _, key, _ in FAULT_ROWS]}")
+    if rows_only:
+        main_rows(args, rows_only)
+        return
 
     started = time.monotonic()
     rows: list[tuple[str, tuple[FaultRecovery, float] | str]] = []
