@@ -171,9 +171,10 @@ class TrainerConfig:
     derived from ``cluster`` and the batch sizes, so they are not keys here.
 
     ``warm_first_step`` (tiers 3-4, not a Trainer argument): a replaced rank's new process warms
-    DTensor's sharding caches for its first optimizer step before it (tier 4: while its state
-    moves), so that the survivors do not wait for it in the first step after a recovery; no bit
-    of the computation changes (ckless_lightning.replication.warmup).
+    DTensor's sharding caches for its first step's gradient clipping (``gradient_clip_val`` by norm)
+    and optimizer step before that step (tier 4: while its state moves), so that the survivors do
+    not wait for it in the first step after a recovery; no bit of the computation changes
+    (ckless_lightning.replication.warmup).
     """
 
     max_steps: int = 20
