@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from checkpoint_utils import assert_same_run
-from conftest import TINY_REFERENCE
+from conftest import TINY_HSDP_REFERENCE, TINY_REFERENCE
 from netns import NetnsCluster, netns_unavailable
 from partition_job import PartitionJob
 
@@ -26,6 +26,15 @@ pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=netns_un
 
 STEPS = 12
 CUT_AT_STEP = 7
+# Elastic HSDP over the two nodes: node i holds replica i (TINY_HSDP_REFERENCE's training).
+ELASTIC_2X2 = (
+    "cluster.replicate=2",
+    "cluster.shard=2",
+    "elastic.enabled=true",
+    "replication.source=hsdp",
+    "agent.replace_timeout=2",
+    "data.record_samples=true",
+)
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +175,33 @@ def test_partition_peers_cut_off_from_one_node_is_one_decision(partition_job, re
     assert not job.events("giveup")
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (job.run / "losses.jsonl").open()]
     assert sorted(set(steps)) == list(range(1, STEPS + 1)) and len(steps) - STEPS <= 1, steps
+
+
+@pytest.mark.timeout(420)
+def test_partition_peers_cut_off_with_no_standby_shrinks_an_elastic_job(
+    partition_job, reference_run, tmp_path
+):
+    """The same cut with no standby, on elastic HSDP (node 1 holds the second replica): node 1 fences
+    itself on the verdict and falls silent, the job counts it lost, waits agent.replace_timeout and
+    shrinks to node 0's replica, trains to the end with the same samples in every step (losses within
+    1e-4: a narrower job reduces in another order), and every agent exits 0: node 0 does not wait for
+    the done mark of a node outside the generation, and the cut-off agent leaves when the job is done."""
+    from test_elastic import assert_same_training_within_tolerance
+
+    reference = reference_run(*TINY_HSDP_REFERENCE)
+    job = partition_job
+    job.overrides += ELASTIC_2X2
+    job.start_nodes(standby=False, tier=4)
+    job.wait_for_step(CUT_AT_STEP)
+    job.cluster.cut(1, peers=True, store=False)
+    job.wait_for_event("fenced", node=1, reason="peers")
+    shrink = job.wait_for_event("elastic_resize", reason="shrink")
+    assert (shrink["active"], shrink["replicas"], shrink["missing"]) == ([0, 1], 1, [2, 3])
+    job.cluster.heal(1, peers=True, store=False)
+    codes = job.finish()
+    assert codes == {"node0": 0, "node1": 0}, job.logs()
+    assert_same_training_within_tolerance(job.run, reference, tmp_path, STEPS)
+    assert not [e for e in job.events("fault_detected") if e["reason"] == "hang"], "a rank was blamed"
 
 
 @pytest.mark.timeout(480)

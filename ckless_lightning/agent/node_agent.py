@@ -655,7 +655,13 @@ class NodeAgent:
         self.store.mark_done(gen, self.node)
         if self.node != 0:
             return Decision(Action.DONE, gen)
-        while not self.store.nodes_done(gen, self.cluster.nnodes):
+        nodes = list(range(self.cluster.nnodes))
+        if self.job.elastic.enabled:  # a node with no rank in the generation's set has nothing to finish
+            per_node = self.cluster.nproc_per_node  # (one lost, or cut off, with no standby: a shrink)
+            nodes = sorted(
+                {rank // per_node for rank in self.store.active_ranks(gen, self.cluster.world_size)}
+            )
+        while not self.store.nodes_done(gen, nodes):
             if self._watch is not None:
                 self._watch.take()  # what woke the last pause (a move, a give-up) is read below
             if self.store.giveup_reason() is not None:

@@ -79,7 +79,7 @@ from __future__ import annotations
 import hashlib
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -710,5 +710,8 @@ class JobStore:
     def node_done(self, gen: int, node: int) -> bool:
         return self._tcp.check([f"done/{gen}/{node}"])
 
-    def nodes_done(self, gen: int, nnodes: int) -> bool:
-        return self._tcp.check([f"done/{gen}/{n}" for n in range(nnodes)])
+    def nodes_done(self, gen: int, nodes: int | Sequence[int]) -> bool:
+        """Every one of ``nodes`` (a count: nodes ``0..nodes-1``) is done in ``gen``; one request."""
+        return self._tcp.check(
+            [f"done/{gen}/{n}" for n in (range(nodes) if isinstance(nodes, int) else nodes)]
+        )
