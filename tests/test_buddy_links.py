@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from dist import free_port, run_ranks
 
+from ckless_lightning.comm.works import wait_works
 from ckless_lightning.recovery.sever import tcp_connections
+from ckless_lightning.recovery.where import where_is
 from ckless_lightning.replication.buddy_links import edge_colour, form_buddy_links
+from ckless_lightning.replication.snapshots import SnapshotCopies
 
 
 def _formation_rounds(world: int, offset: int) -> int:
@@ -95,3 +100,22 @@ def test_buddy_links_hold_one_connection_per_pair_and_move_shapes_and_copies(wor
         # (docs/troubleshooting.md), so the count is taken at once and bounded, not pinned.
         assert 1 <= result["new"] <= (1 if 2 * offset == world else 2), result
         assert result["left"] == 0, result
+
+
+def test_a_rank_blocked_in_a_buddy_exchange_reports_peers():
+    """The exchanges' waits (snapshots' settle, the shape swap, a restore's transfers) go through
+    comm/works.py, so a rank blocked in one reports ``peers``: after a cut, its generation watch ends
+    it after comm.stuck_exit_s (a gloo send to a peer behind a dead link stays blocked), and a hang
+    blames it after a rank in its own code. Seen before: ``running`` in a partition run, the rank
+    left blocked until the agent's hang timeout."""
+    seen: list[str] = []
+
+    class BlockedWork:
+        def wait(self, timeout: timedelta | None = None) -> None:  # the innermost Python frame's caller
+            seen.append(where_is(sys._getframe(1)))
+
+    snapshots = SnapshotCopies(rank=0, world_size=2, source="buddy", buddy_offset=1)
+    snapshots._pending = SimpleNamespace(works=[BlockedWork()], held=None, step=1)
+    assert snapshots.settle(timeout_s=1.0)
+    wait_works([BlockedWork()])
+    assert seen == ["peers", "peers"]

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckless_lightning.comm.works import wait_works
+
 __all__ = ["BuddyLinks", "edge_colour", "form_buddy_links"]
 
 
@@ -74,11 +76,9 @@ class BuddyLinks:
         payload = json.dumps([[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in mine])
         out = torch.frombuffer(bytearray(payload.encode()), dtype=torch.uint8)
         size_out, size_in = torch.tensor([out.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        for work in (self.send(size_out, tag=1), self.recv(size_in, tag=1)):
-            work.wait(timeout)
+        wait_works((self.send(size_out, tag=1), self.recv(size_in, tag=1)), timeout)
         into = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        for work in (self.send(out, tag=2), self.recv(into, tag=2)):
-            work.wait(timeout)
+        wait_works((self.send(out, tag=2), self.recv(into, tag=2)), timeout)
         theirs = []
         for shape, name in json.loads(bytes(into.numpy()).decode()):
             dtype = getattr(torch, name)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ckless_lightning.comm.works import wait_works
 from ckless_lightning.replication.buddy_links import BuddyLinks
 from ckless_lightning.replication.fingerprint import (
     StateFingerprint,
@@ -267,8 +268,7 @@ class SnapshotCopies:
             return True
         bound = timedelta(seconds=self.wait_timeout_s if timeout_s is None else timeout_s)
         try:
-            for work in pending.works:
-                work.wait(bound)
+            wait_works(pending.works, bound)
         except RuntimeError:  # a peer is gone, or the wait ran out: that held copy is incomplete
             if pending.held is not None:
                 pending.held.complete = False

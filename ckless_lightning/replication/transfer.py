@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ckless_lightning.comm.works import wait_works
 from ckless_lightning.replication.source_map import Transfer  # defined with the plans that list them
 
 __all__ = [
@@ -213,11 +214,6 @@ def _agree_flags(local: dict[int, int], group: dist.ProcessGroup | None) -> list
     return [int(v) for v in flags.cpu().tolist()]
 
 
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
-
-
 def transfer_tensors(
     pairs: Sequence[Transfer],
     tensors: Sequence[torch.Tensor],
@@ -281,7 +277,7 @@ def transfer_tensors(
             if recv is not None:
                 ops.append(dist.P2POp(dist.irecv, recv_buf[:n], peer=recv.src, group=group))
                 ops.append(dist.P2POp(dist.irecv, recv_ck, peer=recv.src, group=group))
-            _wait(dist.batch_isend_irecv(ops))
+            wait_works(dist.batch_isend_irecv(ops))
             if recv is not None and not failed:
                 if torch.equal(checksum(recv_buf[:n]), recv_ck):
                     layout.unpack(i, recv_buf[:n], tensors)
@@ -331,7 +327,7 @@ def transfer_bytes(
     if recv is not None:
         ops.append(dist.P2POp(dist.irecv, recv_len, peer=recv.src, group=group))
     if ops:
-        _wait(dist.batch_isend_irecv(ops))
+        wait_works(dist.batch_isend_irecv(ops))
 
     # Round 2: the padded payload and its checksum.
     received: torch.Tensor | None = None
@@ -354,7 +350,7 @@ def transfer_bytes(
             ops.append(dist.P2POp(dist.irecv, received, peer=recv.src, group=group))
         ops.append(dist.P2POp(dist.irecv, recv_ck, peer=recv.src, group=group))
     if ops:
-        _wait(dist.batch_isend_irecv(ops))
+        wait_works(dist.batch_isend_irecv(ops))
 
     ok = received is None or torch.equal(checksum(received), recv_ck)
     flags = _agree_flags({me: 0 if ok else 1}, group)
