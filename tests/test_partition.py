@@ -154,7 +154,7 @@ def test_partition_peers_cut_off_from_one_node_is_one_decision(partition_job, re
     """Node 1 reaches the store but not its peers (the reverse of the test above): every rank waits in
     a collective whose bytes vanish. The agents probe each other over the peer network
     (agent/peer_reach.py) before any hang is blamed; the stored verdict names node 1 alone: its agent
-    kills its ranks and falls silent, the standby (which node 0 reaches) takes node 1 over, node 0's
+    kills its ranks and gives the node up, the standby (which node 0 reaches) takes node 1 over, node 0's
     ranks get a fresh hang timeout and are never blamed, and the job ends bitwise equal with at most
     the step in flight redone. Before the probes: every node blamed its own ranks after
     agent.hang_timeout until the fault budget was spent (exit 75 on both nodes after 75 s)."""
@@ -182,7 +182,7 @@ def test_partition_peers_cut_off_with_no_standby_shrinks_an_elastic_job(
     partition_job, reference_run, tmp_path
 ):
     """The same cut with no standby, on elastic HSDP (node 1 holds the second replica): node 1 fences
-    itself on the verdict and falls silent, the job counts it lost, waits agent.replace_timeout and
+    itself on the verdict and gives the node up, the job counts it lost, waits agent.replace_timeout and
     shrinks to node 0's replica, trains to the end with the same samples in every step (losses within
     1e-4: a narrower job reduces in another order), and every agent exits 0: node 0 does not wait for
     the done mark of a node outside the generation, and the cut-off agent leaves when the job is done."""

@@ -86,6 +86,29 @@ def test_a_new_owner_goes_on_from_the_nodes_beat_count(host):
     assert host.agent_heartbeat(0) == (1, 4)  # a claim names a count: it never comes back
 
 
+def test_a_released_node_is_silent_at_once_and_claimed_without_waiting(host):
+    """A node agent that gives its node up (cut off from the others: agent/peer_reach.py) writes its
+    count negated: the other agents count the node lost at their next pass, a standby claims it at
+    once, and the new owner goes on from the count's size."""
+    from ckless_lightning.agent.standby import StandbyWatch
+
+    for node in (0, 1):
+        host.set_node_owner(node, f"agent-{node}")
+    looks = [StoreLook(host, node=n, nnodes=2, node_timeout_s=30.0, agent_id=f"agent-{n}") for n in (0, 1)]
+    for look in looks:
+        look.look(0, [])
+    assert looks[0].look(0, []).silent_nodes == ()
+    looks[1].release(0)
+    assert host.agent_heartbeat(1) == (0, -2)
+    assert looks[0].look(0, []).silent_nodes == ((1, 0),)  # not node_timeout (30 s) later
+    started = time.monotonic()
+    watch = StandbyWatch(host, nnodes=2, node_timeout_s=30.0, agent_id="standby-1", interval_s=0.01)
+    assert watch.wait_for_lost_node() == 1 and time.monotonic() - started < 10
+    assert host.node_owner(1) == "standby-1"
+    StoreLook(host, node=1, nnodes=2, node_timeout_s=30.0, agent_id="standby-1").look(1, [])
+    assert host.agent_heartbeat(1) == (1, 3)
+
+
 def test_a_node_whose_count_stops_is_silent_after_the_timeout(host):
     for node in (0, 1):
         host.set_node_owner(node, f"agent-{node}")

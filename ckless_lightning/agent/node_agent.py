@@ -489,10 +489,13 @@ class NodeAgent:
         return None
 
     def _leave_cut_off(self, gen: int, verdict: Verdict) -> int:
-        """The job's verdict: this node is cut off from the others. Kill its ranks, stop beating, and
-        wait until the job no longer needs it (taken over: exit 0; given up; done)."""
-        assert self.store is not None
+        """The job's verdict: this node is cut off from the others. Kill its ranks, give the node up
+        (:meth:`StoreLook.release`: the job moves on and a standby claims it without waiting for
+        ``agent.node_timeout``), and wait until the job no longer needs it (taken over: exit 0; given
+        up; done)."""
+        assert self.store is not None and self._look is not None
         fence_cut_off(self, verdict)
+        self._look.release(gen)
         lease = self._fence.lease if self._fence is not None else None
         how = wait_for_replacement(
             self.store,

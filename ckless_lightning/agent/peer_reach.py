@@ -22,9 +22,10 @@ How the job finds the cut-off side, with one decision:
   them, is set apart until no misses are left among the rest (ties: a standby first, then the highest
   node; so a standby that node 0 reaches breaks a two-node tie, and without one node 0 stays); the
   nodes set apart are **cut off**;
-- a cut-off node's agent kills its ranks (event ``fenced``, ``reason="peers"``) and stops beating:
-  the job counts the node lost after ``agent.node_timeout`` (a standby takes it over; an elastic job
-  shrinks; else exit 75). The winners give their ranks a fresh ``hang_timeout`` for that move.
+- a cut-off node's agent kills its ranks (event ``fenced``, ``reason="peers"``) and gives the node up
+  with a last beat that every other agent reads as a node lost (``StoreLook.release``): the job
+  moves on at once (a standby claims the node; an elastic job shrinks; else it waits for a
+  replacement, then exits 75). The winners give their ranks a fresh ``hang_timeout`` for that move.
 
 Costs: nothing in steady state (one append per agent as it starts); an incident costs each
 suspecting agent one TCP connect per registered agent and a store read every :data:`_POLL_S` for at
@@ -316,12 +317,13 @@ def wait_for_replacement(
     renewed: Callable[[], None],
     hosting: bool = False,
 ) -> str:
-    """A cut-off node's agent, its ranks killed, silent: wait until the job no longer needs it.
+    """A cut-off node's agent, its ranks killed, its node released: wait until the job no longer
+    needs it.
     ``"taken"`` (another agent owns the node; never for an agent ``hosting`` the store, which serves
     it to the end), ``"giveup"`` or ``"done"`` (the job ended). Each look reads the store (bounded by
     the store's timeout; a lost store raises) and calls ``renewed`` (the agent's lease: the store
-    answered). Bounded by the job: a node silent for ``agent.node_timeout`` is taken over, shrunk
-    away or the job given up."""
+    answered). Bounded by the job: a released node is taken over, shrunk away, or the job waits for a
+    replacement up to ``comm.join_timeout_s`` and gives up."""
     while True:
         if not hosting and store.node_owner(node) != agent_id:
             return "taken"

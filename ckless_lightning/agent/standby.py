@@ -4,7 +4,8 @@ A job may start ``cluster.spare_nodes`` agents more than it has nodes (under Slu
 ``srun -n <nodes + spares>``; the tasks past the nodes stand by). A standby agent joins the
 job store, prepares like any agent (data looked up, fork server warm) and watches the node
 agents' beat counters on its own clock. When a node's agent has been silent for
-``agent.node_timeout`` (its machine died, or it was killed or stopped), one standby claims
+``agent.node_timeout`` (its machine died, or it was killed or stopped), or gave its node up
+(a node cut off from the others' network: ``StoreLook.release``), one standby claims
 that silence (:meth:`~ckless_lightning.comm.store.JobStore.claim_node`: exactly one claimant
 per silence), becomes the node's owner and runs as that node's agent: it joins the job's
 generation and starts the node's ranks, as a replacement node would, so a node loss needs no
@@ -51,9 +52,10 @@ class StandbyWatch:
             for node, (_, count) in self.store.agent_heartbeats(list(range(self.nnodes))).items():
                 if self.store.node_done(gen, node):
                     continue  # finished: nothing to replace (a node not started yet has no beat)
-                if node not in seen or seen[node][0] != count:
+                released = count < 0  # its agent gave the node up (StoreLook.release): no wait
+                if not released and (node not in seen or seen[node][0] != count):
                     seen[node] = (count, now)
-                elif now - seen[node][1] > self.node_timeout_s and self.store.claim_node(
+                elif (released or now - seen[node][1] > self.node_timeout_s) and self.store.claim_node(
                     node, count, self.agent_id
                 ):
                     self.store.set_node_owner(node, self.agent_id)

@@ -78,7 +78,7 @@ class StoreLook:
         # The node's beat count goes on from where an earlier agent of the node left it: a standby's
         # claim names the count the node fell silent at, which must not come back.
         earlier = store.agent_heartbeat(node)
-        self._count = earlier[1] if earlier is not None else 0
+        self._count = abs(earlier[1]) if earlier is not None else 0  # negative: released (:meth:`release`)
 
     def look(self, gen: int, local_ranks: Sequence[int]) -> Look:
         """Read the job's state and the other agents' beats, then, while this agent owns its node,
@@ -110,7 +110,9 @@ class StoreLook:
         silent = []
         for node, (node_gen, count) in agents.items():
             seen = self._node_beats.get(node)
-            if seen is None or seen[0] != count:  # it beat since the last look: timed on our clock
+            if count < 0:  # its agent gave the node up (:meth:`release`): silent already
+                silent.append((node, node_gen))
+            elif seen is None or seen[0] != count:  # it beat since the last look: timed on our clock
                 self._node_beats[node] = (count, now)
             elif now - seen[1] > self.node_timeout_s:
                 silent.append((node, node_gen))
@@ -150,6 +152,15 @@ class StoreLook:
         self.store.agent_pass_write(self.node, gen, self._count, changed or {})
         if changed:
             self._published.update(changed)
+
+    def release(self, gen: int) -> None:
+        """This agent gives its node up (it was found cut off from the others: ``agent/peer_reach.py``):
+        its last beat, with the count negated, which every other agent and standby reads as a silence
+        that has lasted ``node_timeout`` already, so the job moves on and a standby claims the node
+        without waiting for it. The agent beats no more."""
+        self._count += 1
+        self._beat_at = time.monotonic()
+        self.store.agent_pass_write(self.node, gen, -self._count, {})
 
     def published(self, rank: int, beat: Heartbeat) -> None:
         """``beat`` was written to the store for ``rank`` by someone else (the agent starting it)."""
