@@ -328,9 +328,11 @@ class JoinRelay:
                 print(f"join relay: the job store failed ({type(err).__name__}: {err})", file=sys.stderr)
 
     def _publish(self) -> None:
-        """Write the node record and ring every slot (the lock held)."""
+        """Write the node record and ring every slot (the lock held); ``on_view`` before the rings, so
+        that what it notes (bench/control_plane.py: when the agent saw a barrier full) comes before
+        any rank the record wakes."""
         self.board.write_node(self._view.encode())
-        for slot in range(self.board.slots):
-            self.board.ring(slot)
         if self.on_view is not None:
             self.on_view(self._view)
+        for slot in range(self.board.slots):
+            self.board.ring(slot)
