@@ -131,7 +131,14 @@ def test_a_cut_off_agent_waits_until_its_node_is_taken_or_the_job_ends(store):
 
     def wait(**hosting: bool) -> str:
         return wait_for_replacement(
-            store, 1, "a1", interval_s=0.01, renewed=lambda: renewals.append(1), **hosting
+            store,
+            1,
+            "a1",
+            interval_s=0.01,
+            renewed=lambda: renewals.append(1),
+            others=[0],
+            silent_s=60,
+            **hosting,
         )
 
     store.give_up("test")
@@ -141,3 +148,14 @@ def test_a_cut_off_agent_waits_until_its_node_is_taken_or_the_job_ends(store):
     # The store's host never leaves for a takeover: it serves the job to its end.
     assert wait(hosting=True) == "giveup"
     assert renewals == []  # each returned at its first look, before a renewal
+
+
+def test_a_cut_off_agent_left_alone_stops_waiting(store):
+    """Every other node's agent silent (node 0 beat once, then nothing): the wait ends, bounded."""
+    store.set_node_owner(1, "a1")
+    store.agent_pass_write(0, 0, 5, {})
+    started = time.monotonic()
+    how = wait_for_replacement(
+        store, 1, "a1", interval_s=0.05, renewed=lambda: None, others=[0], silent_s=0.5
+    )
+    assert how == "lost" and time.monotonic() - started < 10

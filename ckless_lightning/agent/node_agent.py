@@ -503,10 +503,20 @@ class NodeAgent:
             self.agent_id,
             interval_s=self.cfg.store_interval,
             renewed=(lambda: lease.renew() and None) if lease is not None else (lambda: None),
+            others=[n for n in range(self.cluster.nnodes) if n != self.node],
+            silent_s=2 * self.cfg.node_timeout,
             hosting=self._fence is None,  # an agent that hosts the store keeps it open to the end
         )
         if how == "taken":
             return self._taken_over()
+        if how == "lost":
+            print(
+                f"[agent{self.node}] no other node's agent beat for {2 * self.cfg.node_timeout:g} s "
+                f"(2 x agent.node_timeout) while this cut-off node waited to be replaced: the job is gone; "
+                f"exit code {EXIT_FAULT_BUDGET} (requeue)",
+                file=sys.stderr,
+            )
+            return EXIT_FAULT_BUDGET
         return self._give_up_exit() if how == "giveup" else ExitCode.OK
 
     def _observe(self, gen: int) -> Observation | None:

@@ -212,9 +212,9 @@ class PeerReach:
     """One agent's side of the probes: its registration, and one check per generation on a thread
     of its own (with a store connection of its own). Not thread-safe beyond that thread.
 
-    ``connect``: a new store connection (for the check's thread); ``node``: this agent's node
-    (None: a standby, which only answers probes); ``probe_after_s``: how long its ranks stay silent in
-    a step before it checks."""
+    ``connect``: a new store connection (for the check's thread); ``node``: this agent's node (a
+    standby only answers probes: it registers through ``stand_by``); ``probe_after_s``: how long its
+    ranks stay silent in a step before it checks."""
 
     def __init__(
         self,
@@ -222,7 +222,7 @@ class PeerReach:
         listener: ReachListener,
         *,
         agent_id: str,
-        node: int | None,
+        node: int,
         nnodes: int,
         probe_after_s: float,
         connect: Callable[[], JobStore],
@@ -278,7 +278,6 @@ class PeerReach:
             self._error = err
 
     def _decide(self, gen: int, store: JobStore) -> Verdict:
-        assert self.node is not None
         targets = {a: addr for a, addr in store.reach_agents().items() if a != self.agent_id}
         unreached = probe(targets)
         store.report_unreached(gen, self.node, self.agent_id, unreached)
@@ -315,15 +314,20 @@ def wait_for_replacement(
     *,
     interval_s: float,
     renewed: Callable[[], None],
+    others: list[int],
+    silent_s: float,
     hosting: bool = False,
 ) -> str:
     """A cut-off node's agent, its ranks killed, its node released: wait until the job no longer
     needs it.
     ``"taken"`` (another agent owns the node; never for an agent ``hosting`` the store, which serves
-    it to the end), ``"giveup"`` or ``"done"`` (the job ended). Each look reads the store (bounded by
-    the store's timeout; a lost store raises) and calls ``renewed`` (the agent's lease: the store
-    answered). Bounded by the job: a released node is taken over, shrunk away, or the job waits for a
-    replacement up to ``comm.join_timeout_s`` and gives up."""
+    it to the end), ``"giveup"`` or ``"done"`` (the job ended), ``"lost"`` (no agent of the
+    ``others`` nodes beat for ``silent_s``: nobody is left to end the job). Each look reads the store
+    (bounded by the store's timeout; a lost store raises) and calls ``renewed`` (the agent's lease:
+    the store answered). The job bounds the rest: a released node is taken over, shrunk away, or the
+    job waits for a replacement up to ``comm.join_timeout_s`` and gives up."""
+    last_beats: dict[int, tuple[int, int]] = {}
+    changed_at = time.monotonic()
     while True:
         if not hosting and store.node_owner(node) != agent_id:
             return "taken"
@@ -331,5 +335,10 @@ def wait_for_replacement(
             return "giveup"
         if store.ranks_finished() > 0:
             return "done"
+        beats = store.agent_heartbeats(others)
+        if beats != last_beats:
+            last_beats, changed_at = beats, time.monotonic()
+        elif time.monotonic() - changed_at > silent_s:
+            return "lost"
         renewed()
         time.sleep(interval_s)

@@ -160,8 +160,12 @@ def warm_optimizer_step(optimizers: Sequence[torch.optim.Optimizer]) -> WarmUp:
 
 def clip_norm_of(module: Any) -> float | None:
     """The norm Lightning clips ``module``'s gradients to before each step (its Trainer's
-    ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"``), None when it clips none or by value."""
-    trainer = getattr(module, "_trainer", None)
+    ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"``), None when it clips none or by value,
+    or is not attached to a Trainer."""
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # Lightning: "... is not attached to a `Trainer`"
+        return None
     value = getattr(trainer, "gradient_clip_val", None)
     algorithm = getattr(trainer, "gradient_clip_algorithm", None)
     if (
