@@ -249,9 +249,9 @@ def test_generation_watch_ends_a_rank_the_cut_cannot_free(store):
         exit_after_s=1.0,
     )
     watch.start()
+    started = time.monotonic()  # before the timer starts: the move comes >= 0.5 s after this
     mover = threading.Timer(0.5, lambda: store.advance_generation(0, world_size=2))
     mover.start()
-    started = time.monotonic()
     with pytest.raises(RuntimeError):  # rank 1 never publishes its address: torch's own bound ends it
         dist.init_process_group(
             "gloo",
