@@ -308,9 +308,21 @@ def test_window_order_and_consumer_wants(tmp_path):
         consumer_wants(layout, 0)
 
 
-def test_reader_modules_do_not_import_lightning():
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "ckless_lightning.data.cache_reader, ckless_lightning.data.batch_cache",
+        # The agent, a standby, the launcher and a standalone store: Lightning's import cost every
+        # job's agent ~2.7 s of CPU at the job's start, beside the fork server's own imports (it came
+        # in through ckless_lightning.recovery's package, for recovery.sever).
+        "ckless_lightning.cli, ckless_lightning.agent.node_agent, ckless_lightning.agent.standby, "
+        "ckless_lightning.store",
+    ],
+    ids=["reader", "agent"],
+)
+def test_reader_and_agent_modules_do_not_import_lightning(modules):
     code = (
-        "import sys, ckless_lightning.data.cache_reader, ckless_lightning.data.batch_cache; "
+        f"import sys, {modules}; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
