@@ -68,12 +68,28 @@ def measure(name: str, every: int, steps: int) -> dict[str, float]:
         parts.of(state, step)
     for _ in range(3):
         whole.of(state, 0)
+    # A generation's first vote: the rank left the last generation (release) and digests again.
+    # Baseline in the same run: the same vote plus the other parts' views, which the first vote
+    # made too before views were made per part (what a first vote cost then).
+    first, before = [], []
+    for _ in range(3):
+        parts.release()
+        start = time.perf_counter()
+        parts.of(state, 3 % every)
+        first.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for part in range(every):
+            parts._part_views(parts._bytes, part)  # the old first vote's extra work
+        before.append(first[-1] + time.perf_counter() - start)
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "state_mb": sum(t.numel() * t.element_size() for t in state) / 1e6,
         "step_s": statistics.median(step_s[1:]),
         "digest_s": parts.seconds / every,
         "whole_s": whole.seconds / 3,
+        "tensors": len(state),
+        "first_s": statistics.median(first),
+        "before_s": statistics.median(before),
     }
 
 
@@ -86,20 +102,36 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(1)  # a rank's share of this 2-core machine
-    header = ("size", "params", "state MB", "step s", "digest ms", "of step", "whole ms")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (6, 12, 9, 8, 10, 8, 9), strict=True)))
+    header = (
+        "size",
+        "params",
+        "state MB",
+        "step s",
+        "digest ms",
+        "of step",
+        "whole ms",
+        "tensors",
+        "1st vote ms",
+        "before ms",
+    )
+    widths = (6, 12, 9, 8, 10, 8, 9, 8, 12, 10)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     for name in args.sizes:
         r = measure(name, args.every, args.steps)
         print(
             f"{name:>6} {r['params']:>12,} {r['state_mb']:>9.1f} {r['step_s']:>8.3f} "
             f"{1e3 * r['digest_s']:>10.3f} {100 * r['digest_s'] / r['step_s']:>7.2f}% "
-            f"{1e3 * r['whole_s']:>9.2f}",
+            f"{1e3 * r['whole_s']:>9.2f} {r['tensors']:>8} "
+            f"{1e3 * r['first_s']:>12.2f} {1e3 * r['before_s']:>10.2f}",
             flush=True,
         )
     print(
         f"\ndigest ms: one vote's digest at replication.digest_every={args.every} (1/{args.every} of every "
         "tensor); whole ms: all of it at once (every=1); of step: digest / the training step it rides on "
         "(1 process, torch.set_num_threads(1))."
+        f"\n1st vote ms: a generation's first vote (after the rank left the last one), its own part's views "
+        f"made on the way; before ms: the same plus every part's views, what a first vote cost when it made "
+        f"all {args.every} parts' at once (medians of 3)."
     )
 
 
