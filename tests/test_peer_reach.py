@@ -11,6 +11,7 @@ import pytest
 from ckless_lightning.agent.peer_reach import (
     PeerReach,
     ReachListener,
+    Verdict,
     peer_host,
     probe,
     reach_verdict,
@@ -114,15 +115,56 @@ def test_a_check_finds_the_node_cut_off_and_every_agent_reads_one_verdict(store)
         assert not reach0.suspects(now, {0: Heartbeat(0, -1, now - 5, "start")}, [0])  # before step 1
         assert reach0.suspects(now, _beats(now, 1.5), [0, 1])
         reach0.check(gen=0)
-        reach0.check(gen=0)  # once per generation
-        deadline = time.monotonic() + 10
-        while (verdict := reach0.take()) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert verdict.cut_off == (1,) and verdict.unreached == ("a1",)
+        reach0.check(gen=0)  # one check at a time
+        verdict = _taken(reach0)
+        assert verdict.cut_off == (1,) and verdict.unreached == ("a1",) and verdict.round == 1
         # Node 1's later verdict computation (it reached nobody) cannot change the stored one.
-        assert store.settle_reach_verdict(0, [0]) == [1]
-        assert store.reach_reports(0) == {0: ("a0", ["a1"])}
+        assert store.settle_reach_verdict(0, 1, [0]) == [1]
+        assert store.reach_reports(0, 1) == {0: ("a0", ["a1"])}
+
+
+def _taken(reach: PeerReach) -> Verdict:
+    deadline = time.monotonic() + 10
+    while (verdict := reach.take()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return verdict
+
+
+def test_a_silence_with_everyone_reachable_leaves_later_checks_of_the_generation(store):
+    """A check that found every agent reachable (a rank stopped a while, then going on) does not use
+    up the generation: this agent checks again ``probe_after`` later and finds the cut that came since;
+    another agent that did not report in that check joins it instead of starting one."""
+    store.set_node_owner(0, "a0")
+    store.set_node_owner(1, "a1")
+    with ReachListener("127.0.0.1") as l0, ReachListener("127.0.0.1") as standby:
+        store.register_reach("s", standby.address)
+        l1 = ReachListener("127.0.0.1")
+        reach0 = PeerReach(
+            store,
+            l0,
+            agent_id="a0",
+            node=0,
+            nnodes=2,
+            probe_after_s=0.5,
+            connect=lambda: JobStore(store._server, secret=SECRET),
+        )
+        reach0.register()
+        store.register_reach("a1", l1.address)
+        reach0.check(gen=3)
+        first = _taken(reach0)
+        assert (first.gen, first.round, first.cut_off, first.unreached) == (3, 1, (), ())
+        l1.close()  # now node 1 no longer answers
+        reach0.check(gen=3)  # within probe_after of the last check: not yet
+        assert reach0.take() is None and store.reach_round(3) == 1
+        time.sleep(0.6)
+        reach0.check(gen=3)
+        second = _taken(reach0)
+        assert (second.round, second.cut_off, second.unreached) == (2, (1,), ("a1",))
+        # Node 1's agent reported in neither: it joins the current check, and reads its verdict.
+        assert store.reach_round(3) == 2 and store.reach_round(3, after=1) == 2
+        assert store.settle_reach_verdict(3, 2, []) == [1]
+        assert store.reach_round(4) == 0  # a generation's checks are its own
 
 
 def test_a_cut_off_agent_waits_until_its_node_is_taken_or_the_job_ends(store):

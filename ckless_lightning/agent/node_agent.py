@@ -481,7 +481,9 @@ class NodeAgent:
             return None
         if self.node in verdict.cut_off:
             return verdict
-        self.events.emit("peers_cut_off", node=self.node, cut_off=list(verdict.cut_off), gen=gen)
+        self.events.emit(
+            "peers_cut_off", node=self.node, cut_off=list(verdict.cut_off), gen=gen, round=verdict.round
+        )
         now = time.time()
         for rank in running:
             beat = obs.beats[rank]

@@ -13,8 +13,12 @@ How the job finds the cut-off side, with one decision:
   one its ranks' collectives use: :func:`peer_host`) and registers it in the store once
   (:class:`ReachListener`; the kernel answers a probe, no request reaches the agent's loop);
 - an agent whose ranks have been silent in a step for ``agent.probe_after`` (default
-  ``hang_timeout / 4``) probes every registered agent once per generation (a TCP connect, at most
-  :data:`PROBE_TIMEOUT_S`) and appends those it could not reach to the generation's record;
+  ``hang_timeout / 4``) probes every registered agent (a TCP connect, at most
+  :data:`PROBE_TIMEOUT_S`) and appends those it could not reach to the record of the generation's
+  current check (``reach/<g>/round``: an agent joins the current check if it has not reported in it,
+  else starts the next one; at most one check per agent per ``agent.probe_after``, so a silence that
+  found everyone reachable, a stopped rank that went on, does not use up the generation: a cut later
+  in it is found by the next check);
 - once every node has reported, or after :data:`SETTLE_S`, it computes :func:`reach_verdict` and
   stores it unless a verdict is stored (``compare_set``); every agent acts on the stored verdict;
 - :func:`reach_verdict`: the nodes that stay must all reach each other; the agent (node owner or
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import selectors
 import socket
 import struct
@@ -206,11 +211,13 @@ class Verdict:
     gen: int
     cut_off: tuple[int, ...]  # the nodes cut off from the others
     unreached: tuple[str, ...]  # the agents this agent could not reach
+    round: int = 1  # which check of the generation (reach/<gen>/round)
 
 
 class PeerReach:
-    """One agent's side of the probes: its registration, and one check per generation on a thread
-    of its own (with a store connection of its own). Not thread-safe beyond that thread.
+    """One agent's side of the probes: its registration, and its checks (at most one at a time and
+    one per ``probe_after_s``) on a thread of its own (with a store connection of its own). Not
+    thread-safe beyond that thread.
 
     ``connect``: a new store connection (for the check's thread); ``node``: this agent's node (a
     standby only answers probes: it registers through ``stand_by``); ``probe_after_s``: how long its
@@ -234,7 +241,9 @@ class PeerReach:
         self.nnodes = nnodes
         self.probe_after_s = probe_after_s
         self._connect = connect
-        self._checked = -1  # the last generation checked
+        self._checked = -1  # the generation of the last check
+        self._round = 0  # the check of that generation this agent reported in last
+        self._ended = -math.inf  # when its last check ended (time.monotonic())
         self._thread: threading.Thread | None = None
         self._verdict: Verdict | None = None  # the last check's, until taken
         self._error: BaseException | None = None
@@ -256,10 +265,14 @@ class PeerReach:
         )
 
     def check(self, gen: int) -> None:
-        """Start ``gen``'s check unless it was started (at most one per generation)."""
-        if gen <= self._checked or (self._thread is not None and self._thread.is_alive()):
+        """Check ``gen``: join its current check, or start the next; not while a check runs, for an
+        older generation, or within ``probe_after_s`` of this agent's last check of ``gen``."""
+        if gen < self._checked or (self._thread is not None and self._thread.is_alive()):
             return
-        self._checked = gen
+        if gen == self._checked and time.monotonic() - self._ended < self.probe_after_s:
+            return
+        if gen > self._checked:
+            self._checked, self._round = gen, 0
         self._thread = threading.Thread(target=self._run, args=(gen,), name="peer-reach", daemon=True)
         self._thread.start()
 
@@ -276,21 +289,27 @@ class PeerReach:
             self._verdict = self._decide(gen, self._connect())
         except Exception as err:  # the store failed (the lease and the passes act on that): report it
             self._error = err
+        finally:
+            self._ended = time.monotonic()
 
     def _decide(self, gen: int, store: JobStore) -> Verdict:
+        round_ = store.reach_round(gen)
+        if round_ <= self._round:  # none yet, or it reported in the current one: the next one
+            round_ = store.reach_round(gen, after=round_)
+        self._round = round_
         targets = {a: addr for a, addr in store.reach_agents().items() if a != self.agent_id}
         unreached = probe(targets)
-        store.report_unreached(gen, self.node, self.agent_id, unreached)
+        store.report_unreached(gen, round_, self.node, self.agent_id, unreached)
         deadline = time.monotonic() + SETTLE_S
-        reports = store.reach_reports(gen)
+        reports = store.reach_reports(gen, round_)
         while len(reports) < self.nnodes and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-            reports = store.reach_reports(gen)
+            reports = store.reach_reports(gen, round_)
         owners = store.node_owners(self.nnodes)
         registered = store.reach_agents()
         cut_off = reach_verdict(owners, registered, {agent: missed for agent, missed in reports.values()})
-        stood = store.settle_reach_verdict(gen, cut_off)
-        return Verdict(gen, tuple(stood), tuple(unreached))
+        stood = store.settle_reach_verdict(gen, round_, cut_off)
+        return Verdict(gen, tuple(stood), tuple(unreached), round_)
 
 
 def fence_cut_off(agent: FencedNode, verdict: Verdict) -> None:

@@ -45,10 +45,11 @@ key                                value                                        
 ``claim/<node>/<beats>``           the standby agent that takes ``node``, silent at ``beats``  standby
 ``reach/agents``                   ``<agent id>=<host:port>`` lines: where each agent answers  agent,
                                    reachability probes on its peer network (peer_reach.py)     standby
-``reach/<g>``                      ``<node> <agent id> <unreached ids>`` lines: what each      agent
-                                   agent whose ranks hung in ``g`` could not reach
-``reach/<g>/verdict``              the nodes cut off from the others in ``g`` (``-``: none),   agent
-                                   set once
+``reach/<g>/round``                the current reachability check of ``g`` (1, 2, ...)        agent
+``reach/<g>/<r>``                  ``<node> <agent id> <unreached ids>`` lines: what each      agent
+                                   agent whose ranks hung in ``g`` could not reach (check r)
+``reach/<g>/<r>/verdict``          the nodes cut off from the others by check ``r`` of ``g``   agent
+                                   (``-``: none), set once
 ``started/<g>/<node>``             the node's ranks were started in generation ``g``           agent
 ``master_port/<g>``                tier 0: rank 0's rendezvous port of generation ``g``        agent 0
 ``done/<g>/<node>``                a node's ranks all finished in generation ``g``             agent
@@ -498,13 +499,24 @@ class JobStore:
         lines = self._tcp.get("reach/agents").decode().splitlines()
         return dict(line.split("=", 1) for line in lines if line)
 
-    def report_unreached(self, gen: int, node: int, agent_id: str, unreached: list[str]) -> None:
-        """Node ``node``'s agent ``agent_id`` could not reach ``unreached`` (agent ids) in ``gen``."""
-        self._tcp.append(f"reach/{gen}", f"{node} {agent_id} {','.join(unreached)}\n")
+    def reach_round(self, gen: int, *, after: int | None = None) -> int:
+        """Generation ``gen``'s current reachability check (1, 2, ...; 0: none yet). With ``after``:
+        start the next one if ``after`` is still the current one; either way, the one current now."""
+        key = f"reach/{gen}/round"
+        current = int(self._tcp.add(key, 0))
+        if after is None or current != after:
+            return current
+        return int(self._tcp.compare_set(key, str(after), str(after + 1)).decode())
 
-    def reach_reports(self, gen: int) -> dict[int, tuple[str, list[str]]]:
-        """The reports of ``gen`` so far: node -> (its agent, the agents it could not reach)."""
-        key = f"reach/{gen}"
+    def report_unreached(self, gen: int, round_: int, node: int, agent_id: str, unreached: list[str]) -> None:
+        """Node ``node``'s agent ``agent_id`` could not reach ``unreached`` (agent ids) in check
+        ``round_`` of ``gen``."""
+        self._tcp.append(f"reach/{gen}/{round_}", f"{node} {agent_id} {','.join(unreached)}\n")
+
+    def reach_reports(self, gen: int, round_: int) -> dict[int, tuple[str, list[str]]]:
+        """The reports of check ``round_`` of ``gen`` so far: node -> (its agent, the agents it could
+        not reach)."""
+        key = f"reach/{gen}/{round_}"
         if not self._tcp.check([key]):
             return {}
         reports = {}
@@ -513,9 +525,10 @@ class JobStore:
             reports[int(node)] = (agent_id, [a for a in unreached.split(",") if a])
         return reports
 
-    def settle_reach_verdict(self, gen: int, cut_off: list[int]) -> list[int]:
-        """Record ``cut_off`` as ``gen``'s verdict unless one is recorded: the verdict that stands."""
-        stood = self._tcp.compare_set(f"reach/{gen}/verdict", "", ",".join(map(str, cut_off)) or "-")
+    def settle_reach_verdict(self, gen: int, round_: int, cut_off: list[int]) -> list[int]:
+        """Record ``cut_off`` as the verdict of check ``round_`` of ``gen`` unless one is recorded: the
+        verdict that stands."""
+        stood = self._tcp.compare_set(f"reach/{gen}/{round_}/verdict", "", ",".join(map(str, cut_off)) or "-")
         return [] if stood.decode() == "-" else [int(n) for n in stood.decode().split(",")]
 
     # -- per-generation rendezvous and completion --------------------------

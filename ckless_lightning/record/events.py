@@ -136,9 +136,9 @@ exchange_wait_s, host_copy_bytes, digests, digest_s}
     ``agent/peer_reach.py``).
 ``unfenced`` {node, owned}
     The store answers the agent again; ``owned``: the node is still its own.
-``peers_cut_off`` {node, cut_off: [int], gen}
-    The agent of ``node`` read the verdict that nodes ``cut_off`` are cut off from the others in
-    ``gen``; its own ranks get a fresh ``agent.hang_timeout`` for the job's move.
+``peers_cut_off`` {node, cut_off: [int], gen, round}
+    The agent of ``node`` read the verdict of check ``round`` of ``gen`` that nodes ``cut_off`` are cut
+    off from the others; its own ranks get a fresh ``agent.hang_timeout`` for the job's move.
 ``agent_replaced`` {node, by}
     An agent found its node taken over by ``by`` (a standby) and left it.
 
