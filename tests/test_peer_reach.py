@@ -3,8 +3,10 @@ check end to end on loopback. The job-level test is tests/test_partition.py's pe
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -93,22 +95,7 @@ def test_a_check_finds_the_node_cut_off_and_every_agent_reads_one_verdict(store)
     """Node 1's listener is gone (its peer link down): node 0's check and node 1's (which reaches
     nobody: the others' addresses are unroutable from it, simulated by its own probe of closed ports)
     store one verdict, and both read it."""
-    store.set_node_owner(0, "a0")
-    store.set_node_owner(1, "a1")
-    with ReachListener("127.0.0.1") as l0, ReachListener("127.0.0.1") as standby:
-        store.register_reach("s", standby.address)
-        l1 = ReachListener("127.0.0.1")
-        reach0 = PeerReach(
-            store,
-            l0,
-            agent_id="a0",
-            node=0,
-            nnodes=2,
-            probe_after_s=1.0,
-            connect=lambda: JobStore(store._server, secret=SECRET),
-        )
-        reach0.register()
-        store.register_reach("a1", l1.address)
+    with _node0_beside_node1_and_a_standby(store, probe_after_s=1.0) as (reach0, l1):
         l1.close()  # node 1 no longer answers
         now = time.time()
         assert not reach0.suspects(now, _beats(now, 0.5), [0, 1])
@@ -123,18 +110,12 @@ def test_a_check_finds_the_node_cut_off_and_every_agent_reads_one_verdict(store)
         assert store.reach_reports(0, 1) == {0: ("a0", ["a1"])}
 
 
-def _taken(reach: PeerReach) -> Verdict:
-    deadline = time.monotonic() + 10
-    while (verdict := reach.take()) is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    return verdict
-
-
-def test_a_silence_with_everyone_reachable_leaves_later_checks_of_the_generation(store):
-    """A check that found every agent reachable (a rank stopped a while, then going on) does not use
-    up the generation: this agent checks again ``probe_after`` later and finds the cut that came since;
-    another agent that did not report in that check joins it instead of starting one."""
+@contextlib.contextmanager
+def _node0_beside_node1_and_a_standby(
+    store, *, probe_after_s: float
+) -> Iterator[tuple[PeerReach, ReachListener]]:
+    """Node 0's :class:`PeerReach` (registered), node 1's listener (registered; close it to cut node 1
+    off) and a standby's, on loopback."""
     store.set_node_owner(0, "a0")
     store.set_node_owner(1, "a1")
     with ReachListener("127.0.0.1") as l0, ReachListener("127.0.0.1") as standby:
@@ -146,11 +127,30 @@ def test_a_silence_with_everyone_reachable_leaves_later_checks_of_the_generation
             agent_id="a0",
             node=0,
             nnodes=2,
-            probe_after_s=0.5,
+            probe_after_s=probe_after_s,
             connect=lambda: JobStore(store._server, secret=SECRET),
         )
         reach0.register()
         store.register_reach("a1", l1.address)
+        try:
+            yield reach0, l1
+        finally:
+            l1.close()
+
+
+def _taken(reach: PeerReach) -> Verdict:
+    deadline = time.monotonic() + 10
+    while (verdict := reach.take()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return verdict
+
+
+def test_a_silence_with_everyone_reachable_leaves_later_checks_of_the_generation(store):
+    """A check that found every agent reachable (a straggler that went on) does not use
+    up the generation: this agent checks again ``probe_after`` later and finds the cut that came since;
+    another agent that did not report in that check joins it instead of starting one."""
+    with _node0_beside_node1_and_a_standby(store, probe_after_s=0.5) as (reach0, l1):
         reach0.check(gen=3)
         first = _taken(reach0)
         assert (first.gen, first.round, first.cut_off, first.unreached) == (3, 1, (), ())
