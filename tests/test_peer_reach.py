@@ -167,6 +167,27 @@ def test_a_silence_with_everyone_reachable_leaves_later_checks_of_the_generation
         assert store.reach_round(4) == 0  # a generation's checks are its own
 
 
+def test_agents_that_start_a_check_at_once_share_its_round(store):
+    """Both nodes' agents start a check of the same generation at the same moment: one round, both
+    reports in it, one verdict both read (none cut off: every agent answers)."""
+    with _node0_beside_node1_and_a_standby(store, probe_after_s=0.5) as (reach0, l1):
+        reach1 = PeerReach(
+            store,
+            l1,
+            agent_id="a1",
+            node=1,
+            nnodes=2,
+            probe_after_s=0.5,
+            connect=lambda: JobStore(store._server, secret=SECRET),
+        )
+        for gen in (5, 6, 7):  # each generation's first round
+            reach0.check(gen=gen)
+            reach1.check(gen=gen)
+            verdicts = [_taken(reach0), _taken(reach1)]
+            assert [(v.gen, v.round, v.cut_off) for v in verdicts] == [(gen, 1, ())] * 2
+            assert sorted(store.reach_reports(gen, 1)) == [0, 1] and store.reach_round(gen) == 1
+
+
 def test_a_cut_off_agent_waits_until_its_node_is_taken_or_the_job_ends(store):
     store.set_node_owner(1, "a1")
     renewals = []
