@@ -17,7 +17,7 @@ How the job finds the cut-off side, with one decision:
   :data:`PROBE_TIMEOUT_S`) and appends those it could not reach to the record of the generation's
   current check (``reach/<g>/round``: an agent joins the current check if it has not reported in it,
   else starts the next one; at most one check per agent per ``agent.probe_after``, so a silence that
-  found everyone reachable, a stopped rank that went on, does not use up the generation: a cut later
+  found everyone reachable, a straggler that went on, does not use up the generation: a cut later
   in it is found by the next check);
 - once every node has reported, or after :data:`SETTLE_S`, it computes :func:`reach_verdict` and
   stores it unless a verdict is stored (``compare_set``); every agent acts on the stored verdict;
