@@ -162,7 +162,7 @@ def test_a_silence_with_everyone_reachable_leaves_later_checks_of_the_generation
         second = _taken(reach0)
         assert (second.round, second.cut_off, second.unreached) == (2, (1,), ("a1",))
         # Node 1's agent reported in neither: it joins the current check, and reads its verdict.
-        assert store.reach_round(3) == 2 and store.reach_round(3, after=1) == 2
+        assert store.reach_round(3) == 2 and store.next_reach_round(3, 1) == 2
         assert store.settle_reach_verdict(3, 2, []) == [1]
         assert store.reach_round(4) == 0  # a generation's checks are its own
 

@@ -295,7 +295,7 @@ class PeerReach:
     def _decide(self, gen: int, store: JobStore) -> Verdict:
         round_ = store.reach_round(gen)
         if round_ <= self._round:  # none yet, or it reported in the current one: the next one
-            round_ = store.reach_round(gen, after=round_)
+            round_ = store.next_reach_round(gen, round_)
         self._round = round_
         targets = {a: addr for a, addr in store.reach_agents().items() if a != self.agent_id}
         unreached = probe(targets)

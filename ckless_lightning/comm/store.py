@@ -499,14 +499,14 @@ class JobStore:
         lines = self._tcp.get("reach/agents").decode().splitlines()
         return dict(line.split("=", 1) for line in lines if line)
 
-    def reach_round(self, gen: int, *, after: int | None = None) -> int:
-        """Generation ``gen``'s current reachability check (1, 2, ...; 0: none yet). With ``after``:
-        start the next one if ``after`` is still the current one; either way, the one current now."""
-        key = f"reach/{gen}/round"
-        current = int(self._tcp.add(key, 0))
-        if after is None or current != after:
-            return current
-        return int(self._tcp.compare_set(key, str(after), str(after + 1)).decode())
+    def reach_round(self, gen: int) -> int:
+        """Generation ``gen``'s current reachability check (1, 2, ...; 0: none yet)."""
+        return int(self._tcp.add(f"reach/{gen}/round", 0))
+
+    def next_reach_round(self, gen: int, after: int) -> int:
+        """Start the check after ``after`` if ``after`` (read by :meth:`reach_round`) is still the
+        current one; either way, the one current now."""
+        return int(self._tcp.compare_set(f"reach/{gen}/round", str(after), str(after + 1)).decode())
 
     def report_unreached(self, gen: int, round_: int, node: int, agent_id: str, unreached: list[str]) -> None:
         """Node ``node``'s agent ``agent_id`` could not reach ``unreached`` (agent ids) in check
