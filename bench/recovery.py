@@ -611,11 +611,17 @@ def main_rows(args: argparse.Namespace, keys: list[str]) -> None:
         first = figure_first_step(runs)
     print("\n".join(table(rows)))
     print(
-        f"\n{args.recipe}, 4 ranks, SIGKILL of rank 1 in the forward of step {args.fault_step}; "
-        f"--set {args.set}"
+        f"\n{args.recipe}, {_ranks(args.set)} ranks, SIGKILL of rank 1 in the forward of step "
+        f"{args.fault_step}; --set {args.set}"
     )
     print("\n".join(line for line in first if "not run" not in line))
     print(f"\n({time.monotonic() - started:.0f} s for this script)")
+
+
+def _ranks(overrides: list[str]) -> str:
+    """The fault rows' ranks per node as the overrides leave them (the recipe's 4 unless set)."""
+    nproc = [o.split("=", 1)[1] for o in overrides if o.startswith("cluster.nproc_per_node=")]
+    return nproc[-1] if nproc else "4"
 
 
 def main() -> None:
@@ -685,9 +691,9 @@ def main() -> None:
 
     print("\n".join(table(rows)))
     print(
-        f"\n{args.recipe}, 4 ranks, checkpoint every {args.every} steps, SIGKILL of rank 1 in the forward "
-        f"of step {args.fault_step}; seconds. {args.steps} steps per run; runs without a fault: tier 0, "
-        "tier 4 buddy, tier 3."
+        f"\n{args.recipe}, {_ranks(args.set)} ranks, checkpoint every {args.every} steps, SIGKILL of rank 1 "
+        f"in the forward of step {args.fault_step}; seconds. {args.steps} steps per run; runs without a "
+        "fault: tier 0, tier 4 buddy, tier 3."
     )
     if not args.skip_two_nodes:
         print(
