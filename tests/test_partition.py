@@ -164,7 +164,12 @@ def test_partition_peers_cut_off_from_one_node_is_one_decision(partition_job, re
     assert [(e["node"], e["reason"]) for e in job.events("fenced")] == [(1, "peers")]
     # Within agent.probe_after (hang_timeout / 4 = 5 s) of the last beat, a probe and the settling.
     assert fenced["t"] - cut_at < 5 + 1 + 2 + 4, fenced["t"] - cut_at
-    assert [e["cut_off"] for e in job.events("peers_cut_off")] == [[1]]  # node 0 read the same verdict
+    # One decision: whoever read a verdict read this one. Node 0 reads it unless node 1 decided alone
+    # (node 0's ranks not silent for probe_after yet when node 1's settling ended: 1 run in 5 here) and
+    # node 1's release moved the job on before node 0's check ended; then the verdict is of a
+    # generation the job left, and node 0 acts on the node loss instead.
+    read = [e["cut_off"] for e in job.events("peers_cut_off")]
+    assert read == [[1]] or (not read and job.events("fault_detected")[0]["reason"] == "node_lost"), read
     assert moved["t"] > fenced["t"], (moved, fenced)
     assert not [e for e in job.events("fault_detected") if e["reason"] == "hang"], "a rank was blamed"
     gen0_node1 = [e for e in job.events("ranks_started") if e["node"] == 1 and e["gen"] == 0]
