@@ -104,9 +104,11 @@ def left_behind_ranks(run_dir: Path) -> set[int]:
 
     A survivor is sometimes still blocked in a gloo collective 10 s after the job moved on and its
     connections were cut (seen about once in three CI runs, never here: FSDP2's forward all-gather,
-    ``work.wait()``); the product then ends it and its agent replaces it, bitwise. Tests of the
+    ``work.wait()``); the product then ends it and its agent replaces it, bitwise. Since
+    2026-12-07 the watch first resets and writes on its connections (``recovery.sever.unstick``),
+    which frees the gloo case understood so far; what that does not free still exits. Tests of the
     fault rows set such a rank's extra ``exit(6)`` row aside (:func:`rows_besides_left_behind`)
-    and print its stack; the issue is open (docs/troubleshooting.md)."""
+    and print its stack (docs/troubleshooting.md)."""
     ranks = set()
     for log in (run_dir / "rank_logs").glob("rank*.log"):
         if "still blocked on peers" in log.read_text(errors="replace"):

@@ -265,6 +265,38 @@ def test_generation_watch_ends_a_rank_the_cut_cannot_free(store):
     assert len(ended) == 1 and 0.5 + 0.1 + 1.0 <= ended[0] - started < 4.5, (ended, started)
 
 
+def test_generation_watch_unsticks_a_rank_blocked_on_peers_once_before_it_ends_it(store):
+    """After the cut: blocked on peers ``unstick_after_s`` in a row, ``on_unstick`` once (in a thread
+    of its own; ``recovery.sever.unstick``), then the end at ``exit_after_s`` if that did not free
+    it; a computing rank gets neither."""
+    for where in ("peers", "running"):
+        calls: list[tuple[str, float]] = []
+        watch = GenerationWatch(
+            store,
+            store.generation(),
+            0,
+            waiter=store.another_client(),
+            on_stuck=lambda calls=calls: calls.append(("cut", time.monotonic())),
+            grace_s=0.0,
+            on_left_behind=lambda calls=calls: calls.append(("end", time.monotonic())),
+            exit_after_s=1.5,
+            on_unstick=lambda calls=calls: calls.append(("unstick", time.monotonic())),
+            unstick_after_s=0.3,
+        )
+        watch._sample = lambda where=where: where  # the main thread's position, as sampled
+        watch.start()
+        store.advance_generation(store.generation(), world_size=1)
+        time.sleep(2.5)
+        watch.stop()
+        kinds = [kind for kind, _ in calls]
+        if where == "running":
+            assert kinds == ["cut"], calls
+            continue
+        assert kinds == ["cut", "unstick", "end"], calls
+        cut, unstuck, end = (at for _, at in calls)
+        assert 0.3 <= unstuck - cut < 1.0 and end - cut >= 1.5, calls
+
+
 def test_generation_watch_leaves_a_computing_or_leaving_rank_alone(store):
     """Cut and then computing (a long step that meets its next collective later), or leaving: no end."""
     for where, stop_after in (("running", 1.0), ("peers", 0.3)):

@@ -104,3 +104,88 @@ def test_sever_connections_to_frees_a_store_request_blocked_in_another_thread():
         client.wait(["never"], timedelta(seconds=60))
     assert time.monotonic() - began < 30
     cut.join()
+
+
+def _stranded_rank(rank: int, port: int, unstick_it: bool, report) -> None:
+    """One of two gloo ranks. Rank 0 posts a receive from rank 1 and drops it (what an operation that
+    failed on another connection does to its buffers); rank 1 sends into it anyway, so rank 0's
+    connection stops reading at a message for a buffer that no longer exists. Rank 0 then waits in
+    an all-reduce rank 1 never joins; both cut their connections (``sever_connections``) and rank 0,
+    if ``unstick_it``, calls ``unstick`` 1.5 s later. Rank 0 reports how its wait ended and when."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ckless_lightning.recovery.sever import unstick
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    if rank == 0:
+        dist.irecv(torch.zeros(1000), src=1)  # the work, and with it the buffer, dropped at once
+        store.set("dropped", "1")
+    else:
+        store.wait(["dropped"])
+        dist.send(torch.ones(1000), dst=0)
+        time.sleep(0.5)
+        sever_connections({port})
+        time.sleep(30)  # alive and gone from the group, as a rank that left for the next generation
+        return
+
+    def cut() -> None:
+        time.sleep(1.0)
+        sever_connections({port})
+        report.put(("cut", time.monotonic(), None))
+        if unstick_it:
+            time.sleep(1.5)
+            report.put(("unstick", time.monotonic(), unstick({port})))
+
+    cutter = threading.Thread(target=cut, daemon=True)
+    cutter.start()
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(10))
+        report.put(("returned", time.monotonic() - began, ""))
+    except RuntimeError as err:
+        report.put(("raised", time.monotonic() - began, str(err)))
+    cutter.join(30)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("unstick_it", [False, True], ids=["cut_only", "unstick"])
+def test_unstick_ends_a_gloo_wait_the_cut_does_not(unstick_it):
+    """The open gloo case (docs/troubleshooting.md) built on purpose: the cut alone leaves rank 0
+    blocked (until the group's 60 s timeout; the test stops looking after 4 s); ``unstick`` ends its
+    wait within a second, with gloo's own error."""
+    import queue
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.get_context("spawn")
+    report = context.Queue()
+    ranks = [
+        context.Process(target=_stranded_rank, args=(rank, server.port, unstick_it, report), daemon=True)
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        assert report.get(timeout=30)[0] == "cut"
+        if not unstick_it:
+            with pytest.raises(queue.Empty):  # still blocked 4 s after the cut
+                report.get(timeout=4)
+            return
+        got = {kind: (when, detail) for kind, when, detail in (report.get(timeout=10) for _ in range(2))}
+        assert set(got) == {"unstick", "raised"}, got  # the wait raised (before unstick returned, often)
+        reset, _ = got["unstick"][1]
+        assert reset >= 1, got  # connections reset
+        waited_s, error = got["raised"]
+        assert waited_s < 2.5 + 5, got  # cut at ~1 s, unstick at ~2.5 s: not the group's 60 s timeout
+        assert "Connection refused" in error or "closed" in error, error
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join(10)
+        del server

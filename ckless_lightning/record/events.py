@@ -43,6 +43,8 @@ line N of ``losses.jsonl``. The kinds and their fields:
     ``live_captured`` {trusted, why} (tier 4, on leaving a generation: whether this rank
     offers its live state to the recovery, and why not), ``stuck_cut`` (the rank's
     generation watch cut its connections: it was still in a generation the job had left),
+    ``stuck_reset`` {reset, sends} (still blocked on peers half a second after that cut: the watch
+    reset its connections and wrote on every gloo one, ``recovery/sever.py``'s ``unstick``),
     ``left_behind_exit`` (still blocked on peers ``comm.stuck_exit_s`` after that cut: the rank
     exits with code 6 for its agent to replace it), ``finished_at_fault`` {error} (a fault
     reached the rank after a peer had finished the job: it was in or past the last collective,

@@ -56,7 +56,7 @@ from ckless_lightning.recovery.digest import StateDigest
 from ckless_lightning.recovery.elastic import ElasticPolicy, StandbyEnded
 from ckless_lightning.recovery.memory import MemoryRestore, StartOver
 from ckless_lightning.recovery.session import GenerationSession, JobFinished, JobGaveUp
-from ckless_lightning.recovery.sever import fail_fast
+from ckless_lightning.recovery.sever import fail_fast, unstick
 from ckless_lightning.recovery.watch import GenerationWatch
 from ckless_lightning.recovery.where import WhereReporter
 from ckless_lightning.replication import SnapshotCopies, Transfer
@@ -445,6 +445,7 @@ class InProcessRecovery:
             grace_s=self.generation.stuck_grace_s,
             on_left_behind=lambda: self._exit_left_behind(gen),
             exit_after_s=self.generation.stuck_exit_s,
+            on_unstick=lambda: self._unstick(gen),
             on_moved=lambda store: self._job_left(gen, store),
             moves=self.link,
         )
@@ -469,6 +470,17 @@ class InProcessRecovery:
         )
         self._phase("stuck_cut", gen)
         fail_fast(keep_ports={self.store.port})
+
+    def _unstick(self, gen: int) -> None:
+        """From its own thread: cut, and still blocked on peers (a gloo wait the cut does not end):
+        reset the connections and write on every gloo one, so that the wait raises."""
+        reset, sends = unstick(keep_ports={self.store.port})
+        print(
+            f"rank {self.rank}: still blocked on peers in generation {gen} after its cut: reset "
+            f"{reset} connection(s), {sends} gloo send(s) taken",
+            file=sys.stderr,
+        )
+        self._phase("stuck_reset", gen, reset=reset, sends=sends)
 
     def _exit_left_behind(self, gen: int) -> None:
         """From the watch's thread: cut, and still blocked on peers ``comm.stuck_exit_s`` later (a

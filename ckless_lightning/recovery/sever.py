@@ -11,18 +11,38 @@ against torch 2.13) and then cuts the TCP connections too: a rank on NCCL also
 has gloo groups (the buddy exchanges' side group, which moves host memory), and
 gloo's ``abort()`` does nothing in torch 2.13 (``ProcessGroupGloo`` does not
 implement it), so only the cut frees a peer waiting in one of them.
+
+What the cut does not free (measured on torch 2.13's gloo; docs/troubleshooting.md): a gloo
+connection whose next incoming message is for a receive buffer that no longer exists (an
+operation that failed on another connection freed it while this peer's data was on its way)
+stops reading there, so it never reads the end of the connection; and gloo ignores a
+failed write on a closed connection (``EPIPE``, ``ECONNRESET``). A wait on such a connection
+lasts the group's timeout (``comm.pg_timeout_s``, minutes). :func:`unstick` ends it: each
+connection is reset and left holding a refused connect's error, which gloo's write path does
+not ignore, and a one-element send on every gloo connection of the process makes gloo write
+on each: the write fails, gloo fails every operation pending on that connection, and the wait
+raises like any peer failure.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import select
 import socket
+import time
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["fail_fast", "sever_connections", "sever_connections_to", "tcp_connections"]
+from ckless_lightning.comm._torch_compat import gloo_pairs
+
+__all__ = ["fail_fast", "sever_connections", "sever_connections_to", "tcp_connections", "unstick"]
+
+_UNSTICK_TAG = 0x7FFFFFF0  # the send that makes gloo write on a connection; no peer receives it
+_REFUSED_WITHIN_S = 0.5  # a refused connect on this host comes back in microseconds
 
 
 def _own_tcp_sockets() -> Iterator[socket.socket]:
@@ -120,3 +140,72 @@ def fail_fast(keep_ports: set[int]) -> None:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         _abort_nccl()
     sever_connections(keep_ports)
+
+
+def _disconnect(sock: socket.socket) -> None:
+    """``connect(AF_UNSPEC)``: the socket drops its connection and can connect again (Linux;
+    Python's ``connect`` takes no such address)."""
+    unspec = (ctypes.c_ushort * 8)(socket.AF_UNSPEC)  # a sockaddr whose family is AF_UNSPEC
+    if ctypes.CDLL(None, use_errno=True).connect(sock.fileno(), ctypes.byref(unspec), ctypes.sizeof(unspec)):
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def _refuser(family: int, host: str) -> socket.socket:
+    """A socket bound to ``host`` that never listens: a connect to it is refused (``ECONNREFUSED``)."""
+    refuser = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        refuser.bind((host, 0))
+    except OSError:  # the connection's address is gone: the host's loopback
+        refuser.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", 0))
+    return refuser
+
+
+def _refuse_connections(keep_ports: set[int]) -> int:
+    """Reset every connection of this process but ``keep_ports``' and connect it to a refuser, so
+    that it holds ``ECONNREFUSED`` until written on; returns how many. Listening sockets are left."""
+    refusers: dict[tuple[int, str], socket.socket] = {}
+    held: list[socket.socket] = []
+    try:
+        for sock in _own_tcp_sockets():
+            peer = _peer(sock)
+            if (peer is not None and peer[1] in keep_ports) or sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+            ):
+                continue
+            host = sock.getsockname()[0]
+            _disconnect(sock)
+            key = (sock.family, host)
+            if key not in refusers:
+                refusers[key] = _refuser(sock.family, host)
+            sock.connect_ex(refusers[key].getsockname())  # non-blocking: EINPROGRESS; refused soon
+            held.append(socket.socket(fileno=os.dup(sock.fileno())))
+        poll = select.poll()
+        for sock in held:
+            poll.register(sock, select.POLLERR)
+        # Bounded: wait for the refusals to land (poll leaves the error for gloo's write to read).
+        left = {sock.fileno() for sock in held}
+        end = time.monotonic() + _REFUSED_WITHIN_S
+        while left and time.monotonic() < end:
+            left -= {fd for fd, _ in poll.poll(max(1, int((end - time.monotonic()) * 1000)))}
+        return len(held)
+    finally:
+        for sock in [*held, *refusers.values()]:
+            sock.close()
+
+
+def unstick(keep_ports: set[int]) -> tuple[int, int]:
+    """End a gloo wait that :func:`sever_connections` did not (see the module's docstring): reset
+    every connection but ``keep_ports``', then send one element on every gloo connection of every
+    group. Returns ``(connections reset, sends gloo took)``: a send on a connection that failed
+    raises, which is what it is for. Call it only once the rank is leaving its groups (their
+    connections end for good)."""
+    reset = _refuse_connections(keep_ports)
+    taken = 0
+    poke = torch.zeros(1)
+    for backend, peer in gloo_pairs():
+        try:
+            backend.send([poke], peer, _UNSTICK_TAG)
+            taken += 1
+        except RuntimeError:  # the connection failed: its pending operations failed with it
+            continue
+    return reset, taken

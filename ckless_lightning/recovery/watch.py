@@ -17,6 +17,12 @@ normal recovery path runs. It never acts while the rank is leaving or after it
 left. Its live state stays usable: what a survivor offers does not depend on
 where it was cut.
 
+A gloo wait the cut does not end (a connection that stopped reading at a message for a
+receive buffer an earlier failed operation freed: ``recovery/sever.py``) is ended by a second,
+heavier step: blocked on peers ``unstick_after_s`` in a row after the cut, the watch calls
+``on_unstick`` (:func:`~ckless_lightning.recovery.sever.unstick`) once, in a thread of its
+own, and the wait raises like a peer's failure; the rank then leaves with its state.
+
 A cut reaches connections that exist. A wait in C++ on a connection still being
 made does not end with it: gloo forming a group keeps reconnecting to a peer that
 left until the group's timeout (``comm.pg_timeout_s``, minutes; seen in a chaos
@@ -52,6 +58,8 @@ __all__ = ["GenerationWatch"]
 # waking the watches is the only way to miss a wake-up) and waits again.
 _RECHECK_S = 600.0
 _SAMPLE_S = 0.25  # after the cut: how often the watch looks where the main thread is
+_UNSTICK_AFTER_S = 0.5  # after the cut, blocked on peers this long in a row: on_unstick
+_UNSTICK_JOIN_S = 5.0  # stop() waits this long for on_unstick (a poll of 0.5 s and one send per peer)
 
 
 class MoveSignal(Protocol):
@@ -70,6 +78,9 @@ class GenerationWatch:
     ``store``: this rank's job store client; ``waiter``: a second client the thread blocks in
     (:meth:`JobStore.another_client`, one per process, reused across generations: one watch at a
     time blocks in it, as a generation's watch is stopped before the next one starts).
+    ``on_unstick`` (None: never): called once, in a thread of its own, when the main thread has been
+    blocked on peers ``unstick_after_s`` in a row after the cut (only with ``on_left_behind``; a
+    second, heavier cut: :func:`~ckless_lightning.recovery.sever.unstick`).
     ``on_left_behind`` (None: never): called from the thread once the main thread has been
     blocked on peers for ``exit_after_s`` in a row after the cut (it ends the process).
     ``on_moved`` (None: nothing): called from the thread with ``waiter`` as soon as the job has
@@ -92,6 +103,8 @@ class GenerationWatch:
         recheck_s: float = _RECHECK_S,
         on_left_behind: Callable[[], None] | None = None,
         exit_after_s: float = 10.0,
+        on_unstick: Callable[[], None] | None = None,
+        unstick_after_s: float = _UNSTICK_AFTER_S,
         on_moved: Callable[[JobStore], None] | None = None,
         moves: MoveSignal | None = None,
     ) -> None:
@@ -106,6 +119,10 @@ class GenerationWatch:
         self.recheck_s = recheck_s
         self.on_left_behind = on_left_behind
         self.exit_after_s = exit_after_s
+        self.on_unstick = on_unstick
+        self.unstick_after_s = unstick_after_s
+        self.unstuck = False  # on_unstick was called
+        self._unsticking: threading.Thread | None = None
         self.on_moved = on_moved
         self.moved = False  # the job left the generation (set before on_moved is called)
         self.fired = False
@@ -123,6 +140,8 @@ class GenerationWatch:
             if not self._woken:  # its wait still pends in the store: end it (once woken, the key is there)
                 self._releases.release_watch(self.generation, self.rank)
             self._thread.join()
+        if self._unsticking is not None:  # it resets connections: done before the next generation's form
+            self._unsticking.join(_UNSTICK_JOIN_S)
 
     def _run(self) -> None:
         try:
@@ -178,4 +197,16 @@ class GenerationWatch:
                 since = time.monotonic()
             elif time.monotonic() - since >= self.exit_after_s:
                 return True
+            elif time.monotonic() - since >= self.unstick_after_s and not self.unstuck:
+                self._unstick()
         return False
+
+    def _unstick(self) -> None:
+        """Once: ``on_unstick`` in a daemon thread (bounded by ``exit_after_s`` whatever it does: the
+        watch goes on sampling and ends the rank if the wait outlasts it)."""
+        self.unstuck = True
+        if self.on_unstick is not None:
+            self._unsticking = threading.Thread(
+                target=self.on_unstick, name=f"unstick-{self.generation}", daemon=True
+            )
+            self._unsticking.start()
