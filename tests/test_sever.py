@@ -111,7 +111,8 @@ def _stranded_rank(rank: int, port: int, unstick_it: bool, report) -> None:
     failed on another connection does to its buffers); rank 1 sends into it anyway, so rank 0's
     connection stops reading at a message for a buffer that no longer exists. Rank 0 then waits in
     an all-reduce rank 1 never joins; both cut their connections (``sever_connections``) and rank 0,
-    if ``unstick_it``, calls ``unstick`` 1.5 s later. Rank 0 reports how its wait ended and when."""
+    if ``unstick_it``, calls ``unstick`` 1.5 s later. Rank 0 reports how its wait ended, when, and
+    whether the recovery would call it a lost peer."""
     import time
     from datetime import timedelta
 
@@ -119,6 +120,7 @@ def _stranded_rank(rank: int, port: int, unstick_it: bool, report) -> None:
     import torch.distributed as dist
 
     from ckless_lightning.recovery.sever import unstick
+    from ckless_lightning.runtime.contract import is_peer_failure
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
@@ -146,9 +148,9 @@ def _stranded_rank(rank: int, port: int, unstick_it: bool, report) -> None:
     began = time.monotonic()
     try:
         dist.all_reduce(torch.ones(10))
-        report.put(("returned", time.monotonic() - began, ""))
-    except RuntimeError as err:
-        report.put(("raised", time.monotonic() - began, str(err)))
+        report.put(("returned", time.monotonic() - began, ("", False)))
+    except RuntimeError as err:  # told from the rank's own error, as the recovery tells it
+        report.put(("raised", time.monotonic() - began, (str(err), is_peer_failure(err))))
     cutter.join(30)
 
 
@@ -181,9 +183,10 @@ def test_unstick_ends_a_gloo_wait_the_cut_does_not(unstick_it):
         assert set(got) == {"unstick", "raised"}, got  # the wait raised (before unstick returned, often)
         reset, _ = got["unstick"][1]
         assert reset >= 1, got  # connections reset
-        waited_s, error = got["raised"]
+        waited_s, (error, a_peer_failure) = got["raised"]
         assert waited_s < 2.5 + 5, got  # cut at ~1 s, unstick at ~2.5 s: not the group's 60 s timeout
         assert "Connection refused" in error or "closed" in error, error
+        assert a_peer_failure, error  # a lost peer, not the rank's own error: its live state is kept
     finally:
         for process in ranks:
             process.kill()

@@ -209,7 +209,14 @@ class RankContext:
         )
 
 
-_PEER_FAILURE_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# "Connection refused": a peer gone before gloo connected to it, or this rank's own generation watch
+# resetting a connection gloo would not let go of (``recovery/sever.py``'s ``unstick``).
+_PEER_FAILURE_MESSAGES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+)
 # What CUDA and NCCL say when this process's own device failed (the error is sticky: the context is
 # unusable). Not out-of-memory, which leaves the context usable.
 _DEVICE_FAULT_MESSAGES = (
