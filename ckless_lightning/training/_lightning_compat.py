@@ -10,8 +10,10 @@ without writing a file: ``dump_training_state`` calls the Trainer's checkpoint
 connector, the same code ``trainer.save_checkpoint`` runs. An elastic job resumes a
 checkpoint at another gradient accumulation, and Lightning counts micro-batches in the fit
 loop's state (an optimizer step ends when that count divides by the accumulation):
-``rescale_micro_batches`` rewrites those counters in the checkpoint dict. Re-check these
-helpers when upgrading Lightning.
+``rescale_micro_batches`` rewrites those counters in the checkpoint dict. ``ModelCheckpoint``
+keeps the step it saved last only in a private attribute its checkpoint state leaves out, so a
+resumed fit would write the checkpoint it resumed from again: ``mark_checkpoint_saved`` sets it
+(``training/callbacks/step_checkpoint.py``). Re-check these helpers when upgrading Lightning.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["dump_training_state", "init_distributed", "install_device_mesh", "rescale_micro_batches"]
+__all__ = [
+    "dump_training_state",
+    "init_distributed",
+    "install_device_mesh",
+    "mark_checkpoint_saved",
+    "rescale_micro_batches",
+]
 
 
 def init_distributed(strategy: ModelParallelStrategy) -> None:
@@ -67,3 +76,8 @@ def rescale_micro_batches(checkpoint: dict, saved: int, now: int) -> None:
             )
         progress["total"][counter] = steps * now + lag
         progress["current"][counter] = progress["total"][counter] - earlier // saved * now
+
+
+def mark_checkpoint_saved(callback: ModelCheckpoint, step: int) -> None:
+    """Make ``callback`` count ``step`` as the step it saved last (it then skips saving that step)."""
+    callback._last_global_step_saved = step

@@ -44,6 +44,7 @@ from ckless_lightning.training.callbacks import (
     LossHistoryCallback,
     RecoveryMetricsCallback,
     SampleLogCallback,
+    StepCheckpoint,
     StepProgressBar,
     StepStatsCallback,
     TimelineCallback,
@@ -114,16 +115,10 @@ def build_trainer(
     ]
     if job.checkpoint.every_n_steps:
         all_callbacks.append(
-            ModelCheckpoint(
-                dirpath=job.checkpoint.dir,
-                filename="step{step:08d}",
-                auto_insert_metric_name=False,
+            StepCheckpoint(
+                job.checkpoint.dir,
                 every_n_train_steps=job.checkpoint.every_n_steps,
-                save_top_k=job.checkpoint.keep_last,
-                monitor="step",
-                mode="max",
-                save_last=False,
-                save_on_train_epoch_end=False,
+                keep_last=job.checkpoint.keep_last,
             )
         )
     if job.data.record_samples:

@@ -1,10 +1,16 @@
-"""The training progress bar keeps its total when a Trainer resumes mid-run (a restart, or tiers 3-4's
-new Trainer after a recovery) and counts micro-batches under gradient accumulation.
+"""A Trainer that resumes mid-run (a restart, or tiers 3-4's new Trainer after a recovery), under gradient
+accumulation: the progress bar keeps its total and counts micro-batches, and the job's checkpoint
+callback does not write again the checkpoint the fit resumed from.
 
 Lightning sets the bar's total in ``on_train_epoch_start``, which it skips when it resumes in the
 middle of an epoch: its own bar then reads ``N/?``. A single-process Trainer over a step-addressed
 loader (one epoch of ``max_steps x accumulate`` micro-batches, as ``StepBatchLoader``) runs 8 steps
 with a checkpoint at step 4; a second Trainer resumes from it.
+
+Lightning's ``ModelCheckpoint`` (2.6.6) writes that checkpoint again: the first micro-batch after a
+resume from step S ends at ``global_step`` S, a multiple of ``every_n_train_steps``, and its "last
+saved" step is not in its checkpoint state. The job's first step after a tier-3 recovery paid for that
+save on every rank (docs/benchmarks.md, "The first step after a recovery"); ``StepCheckpoint`` does not.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ckless_lightning.training.callbacks import StepProgressBar
+from ckless_lightning.training.callbacks import StepCheckpoint, StepProgressBar
 
 MAX_STEPS = 8
 
@@ -89,3 +95,35 @@ def test_bar_total_holds_after_a_resume_from_a_mid_run_step(tmp_path: Path, accu
 
     resumed = _fit(tmp_path, accumulate, save(), ckpt_path=tmp_path / "step=4.ckpt")
     assert (resumed.train_progress_bar.total, resumed.train_progress_bar.n) == (total, total)
+
+
+@pytest.mark.parametrize("callback", ["lightning", "step_checkpoint"])
+def test_a_resumed_fit_does_not_write_its_checkpoint_again(tmp_path: Path, callback: str) -> None:
+    def save() -> ModelCheckpoint:
+        if callback == "lightning":  # the premise: Lightning's own writes step 4 again
+            return ModelCheckpoint(
+                dirpath=tmp_path,
+                filename="step{step:08d}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=4,
+                save_top_k=-1,
+            )
+        return StepCheckpoint(tmp_path, every_n_train_steps=4, keep_last=-1)
+
+    _fit(tmp_path, 2, save())
+    step4 = tmp_path / "step00000004.ckpt"
+    written = step4.stat().st_mtime_ns
+    (tmp_path / "step00000008.ckpt").unlink()
+    _fit(tmp_path, 2, save(), ckpt_path=step4)
+    assert (tmp_path / "step00000008.ckpt").is_file()  # later checkpoints are still written
+    assert (step4.stat().st_mtime_ns != written) == (callback == "lightning")
+
+
+def test_a_resume_at_a_step_with_no_checkpoint_on_disk_still_saves_it(tmp_path: Path) -> None:
+    """Tier 4 resumes from memory; a step whose checkpoint never reached the disk is saved."""
+    _fit(tmp_path, 2, StepCheckpoint(tmp_path, every_n_train_steps=4, keep_last=-1))
+    step4 = tmp_path / "step00000004.ckpt"
+    moved = step4.rename(tmp_path / "resume.ckpt")
+    (tmp_path / "step00000008.ckpt").unlink()
+    _fit(tmp_path, 2, StepCheckpoint(tmp_path, every_n_train_steps=4, keep_last=-1), ckpt_path=moved)
+    assert step4.is_file() and (tmp_path / "step00000008.ckpt").is_file()
