@@ -186,7 +186,9 @@ def _refuse_connections(keep_ports: set[int]) -> int:
         left = {sock.fileno() for sock in held}
         end = time.monotonic() + _REFUSED_WITHIN_S
         while left and time.monotonic() < end:
-            left -= {fd for fd, _ in poll.poll(max(1, int((end - time.monotonic()) * 1000)))}
+            for fd, _ in poll.poll(max(1, int((end - time.monotonic()) * 1000))):
+                poll.unregister(fd)  # its error stays until read: looked at once, then left
+                left.discard(fd)
         return len(held)
     finally:
         for sock in [*held, *refusers.values()]:
