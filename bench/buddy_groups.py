@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -23,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-from control_plane import CountingStore
+from control_plane_sim import CountingStore
 
 from ckless_lightning.recovery.sever import tcp_connections
 from ckless_lightning.replication.buddy_links import form_buddy_links
@@ -51,7 +50,7 @@ def _barrier(store: dist.TCPStore, name: str, world: int) -> None:
 def _rank(mode: str, rank: int, world: int, offset: int, port: int, out: mp.Queue) -> None:
     client = dist.TCPStore("127.0.0.1", port, world, False, timeout=_TIMEOUT)
     counts: Counter[str] = Counter()
-    counted = CountingStore(client, counts, threading.Lock())
+    counted = CountingStore(client, lambda kind: counts.update((kind,)))
 
     def peers() -> int:
         return sum(1 for local, remote in tcp_connections() if port not in (local[1], remote[1]))

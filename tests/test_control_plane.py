@@ -15,18 +15,19 @@ BENCH = ROOT / "bench"
 
 @pytest.mark.timeout(180)
 def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(tmp_path: Path) -> None:
-    """Two nodes of 8 simulated ranks, one killed: every rank reaches the next generation, the
-    store requests are counted (votes, the agents' looks and what they publish), and
-    ``scale_model.py --measured`` takes the rows as measured inputs."""
+    """Two nodes of 8 simulated ranks, one killed, each node in a worker process of its own: every
+    rank reaches the next generation, the store requests of both workers are counted (votes, the
+    agents' looks and what they publish), and ``scale_model.py --measured`` takes the rows as
+    measured inputs."""
     rows_path = tmp_path / "rows.json"
     run = subprocess.run(
         [sys.executable, str(BENCH / "control_plane.py"), "--ranks", "16", "--steps", "12",
-         "--kill-step", "8", "--step-ms", "20", "--json", str(rows_path)],
+         "--kill-step", "8", "--step-ms", "20", "--procs", "2", "--json", str(rows_path)],
         capture_output=True, text=True, timeout=150,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(rows_path.read_text())
-    assert (row["ranks"], row["nodes"]) == (16, 2)
+    assert (row["ranks"], row["nodes"], row["procs"]) == (16, 2, 2)
     kinds = row["requests_by_kind"]
     # Each rank-step: a vote (add, then a blocking wait and a get); the agents' looks on top. The two
     # heartbeats go to the node's board, and each agent publishes its ranks' changed beats once a pass
@@ -56,3 +57,27 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     assert "the ranks' store requests per rank-step" in line
     line = next(line for line in model.stdout.splitlines() if line.startswith("agent_rps_per_node"))
     assert "measured" in line and "per node and second" in line
+
+
+@pytest.mark.timeout(180)
+def test_the_collective_vote_spans_the_simulators_worker_processes(tmp_path: Path) -> None:
+    """``--vote collective`` over 2 worker processes: the vote's stand-in meets across them (every
+    step of every rank decided, its two parts measured), the ranks send the store nothing in the
+    steady state, a death in one worker fails the pending votes of the other (every rank joins the
+    next generation), and the simulator's own CPU per rank-step is printed beside the vote."""
+    rows_path = tmp_path / "rows.json"
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "control_plane.py"), "--ranks", "16", "--steps", "12",
+         "--kill-step", "8", "--step-ms", "20", "--procs", "2", "--vote", "collective",
+         "--json", str(rows_path)],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(rows_path.read_text())
+    assert row["procs"] == 2 and row["rank_requests_per_rank_step"] == 0, row["requests_by_kind"]
+    assert 0 <= row["vote_skew_p50_s"] <= row["vote_skew_p99_s"] and row["vote_release_p99_s"] >= 0
+    assert 0 < row["recovery_store_s"] <= row["recovery_s"] < 30
+    # A recovery's store work is per node (the relays), not per rank
+    assert 0 < row["recovery_store_requests_per_node"] <= 40
+    assert row["sim_cpu_per_rank_step_s"] > 0 and row["cores"] >= 1
+    assert "the simulator's own load" in run.stdout and "2 worker process(es)" in run.stdout

@@ -1,0 +1,731 @@
+"""``bench/control_plane.py``'s simulated job, one worker process's share of it.
+
+The job's nodes are split over ``--procs`` forked worker processes (whole nodes: a node's ranks and
+its agent share a process, as on a real node they share a machine), so that 1,024 simulated ranks
+do not all wait for one interpreter lock. Each worker runs, as threads, its nodes' ranks
+(:class:`SimRank`) and agents (:class:`SimAgent`) against the one job store the parent hosts.
+
+What the processes share (:class:`Shared`, memory mapped before the fork): every worker's request
+counts by kind (each worker writes its own slots, anyone reads them all), when each step first
+started, the fault's time, how many ranks joined after it, the processes' ids (for their CPU time)
+and the job's end. The collective vote's stand-in is hierarchical: a worker's ranks meet in
+memory (:class:`ProcAllReduce`), the worker sends the parent one arrival per step, and the parent's
+:class:`Coordinator` answers every worker once all arrived (or tells them all the generation
+broke). Everything else a worker measured goes to the parent in one message at its end.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from torch.distributed import Store, TCPStore
+
+from ckless_lightning.agent.move_watch import MoveWatch
+from ckless_lightning.agent.store_look import StoreLook
+from ckless_lightning.comm import Generation, GenerationChanged, Heartbeat, JobStore
+from ckless_lightning.comm.beat_board import BeatBoard, BoardBeats, HeartbeatWriter
+from ckless_lightning.comm.node_relay import JoinRelay, NodeLink, NodeView
+from ckless_lightning.comm.store import connect_store
+from ckless_lightning.recovery.commit import StepCommit
+from ckless_lightning.recovery.session import GenerationSession
+from ckless_lightning.recovery.watch import GenerationWatch
+from ckless_lightning.training.callbacks.heartbeat import HeartbeatCallback
+
+SECRET = "control-plane-bench"
+MONITOR_INTERVAL_S = 0.1  # agent.monitor_interval's default
+STORE_INTERVAL_S = 1.0  # agent.store_interval's default
+WHERE_INTERVAL_S = 1.0  # WhereReporter's interval
+THREAD_JOIN_S = 60.0  # a worker's wait for its threads once the job is over
+SETUP_S = 600.0  # a worker's wait for each phase of the job's start (the parent's bound is the same)
+# The job's start: every worker built its ranks and agents; every agent made its first store pass;
+# every agent made one since, which found every other agent's keys (one request, as in a steady job)
+PHASES = ("ready", "agents_up", "agents_steady")
+# The store requests counted, by kind (a get's and a multi_get's WAIT apart: "get_wait")
+KINDS = (
+    "set", "get_wait", "get", "add", "compare_set", "check", "wait", "multi_get", "multi_set", "delete_key",
+    "num_keys",
+)  # fmt: skip
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class CountingStore(Store):
+    """A ``TCPStore`` client that calls ``on_request(kind)`` for each request it sends."""
+
+    def __init__(self, inner: TCPStore, on_request: Callable[[str], None]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._count = on_request
+
+    @property
+    def host(self) -> str:
+        return self._inner.host
+
+    @property
+    def port(self) -> int:
+        return self._inner.port
+
+    def set(self, key: str, value: Any) -> None:
+        self._count("set")
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count("get_wait")  # c10d's client sends a WAIT for the key first, then the GET
+        self._count("get")
+        return self._inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._count("add")
+        return self._inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._count("compare_set")
+        return self._inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        self._count("check")
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._count("wait")
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count("get_wait")  # as get: a WAIT for the keys, then the MULTI_GET
+        self._count("multi_get")
+        return self._inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._count("multi_set")
+        self._inner.multi_set(keys, values)
+
+    def delete_key(self, key: str) -> bool:
+        self._count("delete_key")
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        self._count("num_keys")
+        return self._inner.num_keys()
+
+
+@dataclass
+class JobSpec:
+    """The simulated job, as every process knows it."""
+
+    world: int
+    per_node: int
+    step_s: float
+    steps: int
+    kill_step: int
+    tier: int
+    port: int  # the job store's
+    procs: int
+    blocking_vote: bool = True  # False: waiting votes poll the decision (the design before)
+    collective_vote: bool = False  # True: comm.vote=collective (ProcAllReduce), no store request
+    local_beats: bool = True  # False: every rank beats to the store (agent.local_beats=false, before)
+    node_join: bool = True  # False: every rank joins through the store (the design before the relay)
+
+    def __post_init__(self) -> None:
+        assert self.world % self.per_node == 0 and 1 <= self.procs <= self.nodes
+        assert self.local_beats or not self.node_join, "the node relay goes through the board"
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.per_node
+
+    def worker_nodes(self, index: int) -> range:
+        """Worker ``index``'s nodes: a contiguous block (node 0, the killed rank's, is worker 0's)."""
+        return range(index * self.nodes // self.procs, (index + 1) * self.nodes // self.procs)
+
+
+class Shared:
+    """What the parent and its workers share, in memory mapped before the fork (``ctx``: a fork
+    context). A worker's threads serialize their own counts with the worker's lock; readers take
+    each 64-bit slot as it is."""
+
+    def __init__(self, ctx: Any, procs: int, steps: int) -> None:
+        self.procs = procs
+        self.counts = ctx.RawArray("q", procs * 2 * len(KINDS))  # [worker][all, agents][kind]
+        self.step_started = ctx.RawArray("d", steps + 2)  # step -> first rank's monotonic start (0: not yet)
+        self.fault = ctx.RawValue("d", 0.0)  # the fault's monotonic time (0: none yet)
+        self.joined = ctx.Value("i", 0)  # ranks joined after the fault (its lock: one count at a time)
+        self.pids = ctx.RawArray("i", procs + 1)  # [0]: the parent
+        self.pids[0] = os.getpid()
+        self.go = ctx.Event()  # every worker is ready: start the agents
+        self.agents_known = ctx.Event()  # every agent made its first store pass (so every key exists)
+        self.ranks_go = ctx.Event()  # every agent made a pass since, reading all in one: start the ranks
+        self.done = ctx.Event()  # the job is over (rank 0 finished, or a thread failed)
+
+    def count(self, worker: int, kind: str, *, agent: bool) -> None:
+        """One request of ``kind`` from ``worker`` (call under that worker's lock)."""
+        base = worker * 2 * len(KINDS)
+        index = KINDS.index(kind)
+        self.counts[base + index] += 1
+        if agent:
+            self.counts[base + len(KINDS) + index] += 1
+
+    def snapshot(self, *, agents: bool = False) -> Counter[str]:
+        """Every worker's requests so far (``agents``: the node agents' only)."""
+        totals: Counter[str] = Counter()
+        for worker in range(self.procs):
+            base = worker * 2 * len(KINDS) + (len(KINDS) if agents else 0)
+            for index, kind in enumerate(KINDS):
+                if value := self.counts[base + index]:
+                    totals[kind] += value
+        return totals
+
+    def mark_step(self, step: int) -> None:
+        if not self.step_started[step]:  # two ranks racing here write times a moment apart
+            self.step_started[step] = time.monotonic()
+
+    def step_start(self, step: int) -> float | None:
+        return self.step_started[step] or None
+
+    @property
+    def fault_at(self) -> float | None:
+        return self.fault.value or None
+
+    def cpu_seconds(self) -> float:
+        """The CPU time of the parent (which hosts the store) and every worker so far."""
+        ticks = 0
+        for pid in self.pids:
+            if not pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # a worker that already ended: its time is not counted
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / _CLOCK_TICKS
+
+
+class PeerLost(RuntimeError):
+    """The simulated collective vote lost a member (a real one fails with "Connection closed by peer")."""
+
+
+class ProcAllReduce:
+    """The collective vote's stand-in, a worker's part: per (generation, step), the MIN of its ranks'
+    flags goes to the parent once all ``local`` ranks arrived (with the last arrival's time); the
+    parent's answer, the MIN over every worker and the last arrival's time of all, ends the wait. A
+    member's death, or the job leaving the generation (its ranks' watches cut their connections),
+    fails every vote of the generation still waiting, in every worker (:meth:`break_generation`)."""
+
+    def __init__(self, local: int, send: Callable[[tuple], None]) -> None:
+        self.local = local
+        self.send = send
+        self.cond = threading.Condition()
+        self.flags: dict[tuple[int, int], list[int]] = {}
+        self.results: dict[tuple[int, int], int] = {}
+        self.full_at: dict[tuple[int, int], float] = {}  # (gen, step) -> perf_counter of the last arrival
+        self.broken: set[int] = set()
+
+    def vote(self, gen: int, step: int, flag: int, timeout_s: float = 600.0) -> bytes:
+        key = (gen, step)
+        with self.cond:
+            flags = self.flags.setdefault(key, [])
+            flags.append(flag)
+            if len(flags) == self.local:  # only the answer ends the others' wait (one wake-up a step)
+                self.send(("arrive", gen, step, min(flags), time.perf_counter()))
+            self.cond.wait_for(lambda: gen in self.broken or key in self.results, timeout_s)
+            if key not in self.results:  # (a real one can also end on some ranks and fail on others)
+                raise PeerLost(f"generation {gen}, step {step}: a peer left the collective")
+            return b"commit" if self.results[key] == 1 else b"abandon"
+
+    def answered(self, gen: int, step: int, flag: int, full_at: float) -> None:
+        with self.cond:
+            self.results[gen, step] = flag
+            self.full_at[gen, step] = full_at
+            self.cond.notify_all()
+
+    def break_generation(self, gen: int, *, tell: bool = True) -> None:
+        with self.cond:
+            if gen in self.broken:
+                return
+            self.broken.add(gen)
+            self.cond.notify_all()
+        if tell:
+            self.send(("break", gen))
+
+
+class Coordinator(threading.Thread):
+    """The parent's side of the workers' pipes: the collective vote's last hop, the workers'
+    ``ready`` and ``final`` messages. Ends when every worker sent its final message or closed."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        super().__init__(name="coordinator", daemon=True)
+        self.conns = conns
+        # The job's start, phase by phase (PHASES): the workers that reached each, and all of them
+        self.reached: dict[str, set[int]] = {phase: set() for phase in PHASES}
+        self.all_reached: dict[str, threading.Event] = {phase: threading.Event() for phase in PHASES}
+        self.finals: dict[int, dict[str, Any]] = {}
+        self.lost: list[str] = []  # workers whose pipe closed before their final message
+        self._arrivals: dict[tuple[int, int], list[float]] = {}  # (gen, step) -> [count, min flag, last]
+        self._broken: set[int] = set()
+
+    def wait_phase(self, phase: str, timeout_s: float) -> bool:
+        """Whether every worker reached ``phase`` within ``timeout_s``."""
+        self.all_reached[phase].wait(timeout_s)
+        return len(self.reached[phase]) == len(self.conns)
+
+    def run(self) -> None:
+        live = list(self.conns)
+        while live:
+            for conn in wait(live, timeout=1.0):
+                index = self.conns.index(conn)
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    live.remove(conn)
+                    if index not in self.finals:
+                        self.lost.append(f"worker {index} ended without its results")
+                    continue
+                if msg[0] == "final":
+                    self.finals[index] = msg[1]
+                    live.remove(conn)
+                else:
+                    self._handle(index, msg)
+        for event in self.all_reached.values():  # nobody waits on a phase that cannot come
+            event.set()
+
+    def _handle(self, index: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind in PHASES:
+            self.reached[kind].add(index)
+            if len(self.reached[kind]) == len(self.conns):
+                self.all_reached[kind].set()
+        elif kind == "arrive":
+            _, gen, step, flag, at = msg
+            entry = self._arrivals.setdefault((gen, step), [0, 1, 0.0])
+            entry[0], entry[1], entry[2] = entry[0] + 1, min(entry[1], flag), max(entry[2], at)
+            if entry[0] == len(self.conns):
+                self._tell(("result", gen, step, entry[1], entry[2]))
+        elif kind == "break":
+            if msg[1] not in self._broken:
+                self._broken.add(msg[1])
+                self._tell(msg)
+        else:
+            raise AssertionError(f"worker {index} sent {msg!r}")
+
+    def _tell(self, msg: tuple) -> None:
+        for index, conn in enumerate(self.conns):
+            if index in self.finals:  # a worker that sent its results reads no more
+                continue
+            try:
+                conn.send(msg)
+            except (BrokenPipeError, ConnectionResetError):  # it ended: its EOF is counted in run()
+                self.lost.append(f"worker {index}: pipe closed while the job ran")
+
+
+@dataclass
+class WorkerJob:
+    """A worker's view of the simulated job: its nodes, its counted clients, what its threads record."""
+
+    spec: JobSpec
+    index: int
+    shared: Shared
+    conn: Connection
+    boards: dict[int, BeatBoard] = field(default_factory=dict)  # node -> its agent's heartbeat board
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    connections: int = 0
+    votes: list[tuple[float, float]] = field(default_factory=list)  # (monotonic end, seconds)
+    # --vote collective: (monotonic end, the vote to the last rank's arrival, that arrival to the return)
+    vote_parts: list[tuple[float, float, float]] = field(default_factory=list)
+    looks: list[float] = field(default_factory=list)
+    passes: list[tuple[float, int]] = field(default_factory=list)  # agents' ordinary passes: (end, requests)
+    joined_after_fault: dict[int, float] = field(default_factory=dict)  # rank -> monotonic join time
+    barrier_full: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # node -> (gen, time)
+    asked_at: dict[int, float] = field(default_factory=dict)  # rank -> its last join request after the fault
+    fault: tuple[Counter[str], float] | None = None  # (every request so far, CPU seconds) at the fault
+    recovered: tuple[Counter[str], float] | None = None  # the same once every rank joined after it
+    dead: set[int] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+    allreduce: ProcAllReduce = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.allreduce = ProcAllReduce(len(self.ranks), self.send)
+        if self.spec.local_beats:
+            self.boards = {node: BeatBoard.create(self.spec.per_node) for node in self.nodes}
+
+    @property
+    def nodes(self) -> range:
+        return self.spec.worker_nodes(self.index)
+
+    @property
+    def ranks(self) -> range:
+        per_node = self.spec.per_node
+        return range(self.nodes.start * per_node, self.nodes.stop * per_node)
+
+    def send(self, msg: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def fail(self, what: str, err: BaseException) -> None:
+        """A thread of this worker failed: reported in the table's place; the job ends."""
+        self.errors.append(f"{what}: {type(err).__name__}: {err}")
+        self.shared.done.set()
+
+    def beats(self, rank: int, store: JobStore) -> HeartbeatWriter:
+        """Where ``rank``'s beats go (as ``RankContext.beats``): its node's board, or the store."""
+        if not self.spec.local_beats:
+            return store
+        per_node = self.spec.per_node
+        return BoardBeats(self.boards[rank // per_node], rank=rank, slot=rank % per_node)
+
+    def client(self, *, agent: bool = False, own: Counter[str] | None = None) -> JobStore:
+        """A new counted connection to the job store (each rank has three, each agent four); an
+        ``agent``'s requests also count as the agents', and in ``own`` if given."""
+        with self.lock:
+            self.connections += 1
+        inner = connect_store("127.0.0.1", self.spec.port, is_master=False)
+
+        def count(kind: str) -> None:
+            with self.lock:
+                self.shared.count(self.index, kind, agent=agent)
+                if own is not None:
+                    own[kind] += 1
+
+        return JobStore(CountingStore(inner, count), secret=SECRET)  # type: ignore[arg-type]
+
+    def note_fault(self) -> None:
+        """The killed rank's process ends now."""
+        self.fault = (self.shared.snapshot(), self.shared.cpu_seconds())
+        self.shared.fault.value = time.monotonic()
+
+    def note_joined(self, rank: int) -> None:
+        """``rank`` joined a generation; after the fault the last of the world to do so notes the end."""
+        if self.shared.fault_at is None:
+            return
+        with self.lock:
+            first = rank not in self.joined_after_fault
+            self.joined_after_fault[rank] = time.monotonic()
+        if not first:
+            return
+        with self.shared.joined.get_lock():
+            self.shared.joined.value += 1
+            last = self.shared.joined.value == self.spec.world
+        if last:
+            self.recovered = (self.shared.snapshot(), self.shared.cpu_seconds())
+
+    def results(self) -> dict[str, Any]:
+        return {
+            "connections": self.connections,
+            "votes": self.votes,
+            "vote_parts": self.vote_parts,
+            "looks": self.looks,
+            "passes": self.passes,
+            "joined_after_fault": self.joined_after_fault,
+            "barrier_full": self.barrier_full,
+            "asked_at": self.asked_at,
+            "fault": self.fault,
+            "recovered": self.recovered,
+            "errors": self.errors,
+        }
+
+
+def run_worker(spec: JobSpec, index: int, shared: Shared, conn: Connection) -> None:
+    """A forked worker's life: build its nodes' agents and ranks and say ready; once the parent says
+    go, start the agents, say when each made its first store pass, and when each made one after every
+    agent of the job did (a steady pass: one read for every key); once the parent says every worker's
+    agents did (on a real job the agents run for seconds before the ranks have imported), start the
+    ranks; send its results when the job is over, and end (``os._exit``: threads still blocked in the
+    store's C++ calls would abort an interpreter's shutdown)."""
+    shared.pids[index + 1] = os.getpid()
+    job = WorkerJob(spec, index, shared, conn)
+    try:
+        ranks = [SimRank(job, rank) for rank in job.ranks]
+        agents = [SimAgent(job, node) for node in job.nodes]
+    except Exception as err:  # set-up failed: the parent reports it and ends the job
+        job.fail(f"worker {index} set-up", err)
+        job.send(("final", job.results()))
+        os._exit(1)
+    threading.Thread(target=_receive, args=(job,), name="receiver", daemon=True).start()
+    job.send(("ready",))
+    if shared.go.wait(SETUP_S):
+        for agent in agents:
+            agent.start()
+        deadline = time.monotonic() + SETUP_S
+        if all(agent.first_pass.wait(max(0.0, deadline - time.monotonic())) for agent in agents):
+            job.send(("agents_up",))
+        if shared.agents_known.wait(SETUP_S) and all(
+            agent.steady_pass.wait(max(0.0, deadline - time.monotonic())) for agent in agents
+        ):
+            job.send(("agents_steady",))
+        if shared.ranks_go.wait(SETUP_S):
+            for rank in ranks:
+                rank.start()
+        shared.done.wait()  # rank 0's end, or a failure (the parent bounds the job as a whole)
+        deadline = time.monotonic() + THREAD_JOIN_S
+        for thread in (*ranks, *agents):
+            if thread.is_alive():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    job.send(("final", job.results()))
+    os._exit(0)
+
+
+def _receive(job: WorkerJob) -> None:
+    """The parent's answers to the worker's collective votes, and broken generations."""
+    while True:
+        try:
+            msg = job.conn.recv()
+        except EOFError:  # the parent is gone; the worker's wait for the job's end ends with it
+            job.shared.done.set()
+            return
+        if msg[0] == "result":
+            job.allreduce.answered(*msg[1:])
+        else:
+            assert msg[0] == "break", msg
+            job.allreduce.break_generation(msg[1], tell=False)
+
+
+class TimedLink(NodeLink):
+    """A rank's :class:`NodeLink` that notes when it asks to join after the fault (no request of its own)."""
+
+    def __init__(self, job: WorkerJob, board: BeatBoard, *, slot: int, rank: int) -> None:
+        super().__init__(board, slot=slot)
+        self.job = job
+        self.rank = rank
+
+    def request_join(self, gen: int) -> None:
+        if self.job.shared.fault_at is not None:
+            self.job.asked_at[self.rank] = time.monotonic()
+        super().request_join(gen)
+
+
+class SimRank(threading.Thread):
+    """One rank: join, then steps (sleep, beats, vote, fingerprint) across generations."""
+
+    def __init__(self, job: WorkerJob, rank: int, *, generation: int = 0, first_step: int = 1) -> None:
+        super().__init__(name=f"rank{rank}", daemon=True)
+        self.job = job
+        self.rank = rank
+        spec = job.spec
+        self.store = job.client()
+        self.waiter = job.client()
+        # What a waiting vote blocks in (and, as InProcessRecovery's, the join barrier between generations)
+        self.barrier_waiter = job.client()
+        self.vote_waiter = self.barrier_waiter if spec.blocking_vote else None
+        self.beats = job.beats(rank, self.store)
+        # Where it is goes with its beats (as InProcessRecovery's WhereReporter): the board, or the store
+        self.where: BoardBeats | JobStore = self.beats if isinstance(self.beats, BoardBeats) else self.store
+        # Its end of the node relay (as InProcessRecovery's: its slot of the node's board)
+        board = job.boards.get(rank // spec.per_node)
+        self.link = None
+        if spec.node_join and board is not None:
+            self.link = TimedLink(job, board, slot=rank % spec.per_node, rank=rank)
+        self.session = GenerationSession(
+            self.store,
+            rank=rank,
+            world_size=spec.world,
+            generation=generation,
+            join_timeout_s=600,
+            beats=self.beats,
+            waiter=self.barrier_waiter,
+            link=self.link,
+        )
+        self.session.completed_step = first_step - 1
+        self.replacement = generation > 0
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as err:  # a bench thread's failure is reported in the table's place
+            self.job.fail(f"rank {self.rank}", err)
+
+    def _run(self) -> None:
+        job, spec, rank = self.job, self.job.spec, self.rank
+        gen = self._join()
+        step = self.session.completed_step + 1
+        next_where = time.monotonic() + WHERE_INTERVAL_S
+        while step <= spec.steps:
+            generation = Generation(self.store, gen, rank, spec.world, (1, spec.world))
+            commit = StepCommit(generation, waiter=self.vote_waiter)
+            beats = HeartbeatCallback(self.beats, rank=rank, generation=gen)
+            watch = GenerationWatch(
+                self.store,
+                gen,
+                rank,
+                waiter=self.waiter,
+                on_stuck=lambda: None,
+                on_moved=self._on_moved(commit, gen),
+                moves=self.link,
+            )
+            watch.start()
+            marked = False  # the state/recorded mark of this generation's first step (tier 4)
+            try:
+                while step <= spec.steps:
+                    job.shared.mark_step(step)
+                    beats.beat(step - 1)  # on_train_batch_start
+                    time.sleep(spec.step_s)  # the step's compute
+                    if step == spec.kill_step and rank == 1 and not self.replacement:
+                        self._die(watch)
+                        return
+                    start = time.perf_counter()
+                    if spec.collective_vote:
+                        if job.allreduce.vote(gen, step, 0 if watch.moved else 1) != b"commit":
+                            raise GenerationChanged(gen, gen + 1, f"voting on step {step}: abandoned")
+                        full, end = job.allreduce.full_at[gen, step], time.perf_counter()
+                        job.vote_parts.append((time.monotonic(), full - start, end - full))
+                    else:
+                        commit.vote(step)
+                    job.votes.append((time.monotonic(), time.perf_counter() - start))
+                    beats.beat(step)  # on_train_batch_end
+                    if spec.tier >= 4 and not marked:  # SnapshotCallback's on_first_record, once a generation
+                        self.store.mark_state_recorded()
+                        marked = True
+                    if time.monotonic() >= next_where:
+                        self.where.set_rank_where(rank, "running" if step % 2 else "data")
+                        next_where = time.monotonic() + WHERE_INTERVAL_S
+                    self.session.completed_step = step
+                    step += 1
+            except (GenerationChanged, PeerLost):
+                watch.stop()
+                self.session.leave()
+                gen = self._join()
+                step = self.session.completed_step + 1  # the abandoned step is done again
+                continue
+            watch.stop()
+        if rank == 0:
+            job.shared.done.set()
+
+    def _on_moved(self, commit: StepCommit, gen: int) -> Any:
+        """What the rank's watch does when the job leaves ``gen``: abandon a waiting store vote; for
+        the collective, the cut that fails the generation's pending collectives."""
+        if self.job.spec.collective_vote:
+            return lambda store: self.job.allreduce.break_generation(gen)
+        return commit.job_left if self.vote_waiter is not None else None
+
+    def _join(self) -> int:
+        gen = self.session.join()
+        self.job.note_joined(self.rank)
+        return gen
+
+    def _die(self, watch: GenerationWatch) -> None:
+        """The rank's process ends: no more requests of its own (its watch's pending wait dies too)."""
+        job = self.job
+        job.note_fault()
+        watch._stop.set()  # a dead process's watch thread dies with it; here it just returns on its wake-up
+        with job.lock:  # its agent sees the exit ...
+            job.dead.add(self.rank)
+        job.allreduce.break_generation(watch.generation)  # ... as its connections close: a collective fails
+
+
+class SimAgent(threading.Thread):
+    """One node's agent, as NodeAgent's supervision loop: a look at its node (the board) every
+    ``MONITOR_INTERVAL_S``; a store pass (:meth:`StoreLook.look`) every ``STORE_INTERVAL_S``, at once
+    when its :class:`MoveWatch` (on a connection of its own) sees the job's generation move, and when
+    the node's look finds a rank of its node dead, which it then replaces."""
+
+    def __init__(self, job: WorkerJob, node: int) -> None:
+        super().__init__(name=f"agent{node}", daemon=True)
+        self.job = job
+        self.node = node
+        spec = job.spec
+        self.own: Counter[str] = Counter()  # this agent's main connection's requests (its thread's only)
+        self.first_pass = threading.Event()  # its first store pass is done
+        self.steady_pass = threading.Event()  # a pass begun after every agent's first is done
+        self.store = job.client(agent=True, own=self.own)
+        self.local = list(range(node * spec.per_node, (node + 1) * spec.per_node))
+        self.board = job.boards.get(node)
+        self.look = StoreLook(
+            self.store,
+            node=node,
+            nnodes=spec.nodes,
+            node_timeout_s=30.0,
+            agent_id=f"sim-agent-{node}",
+            board=self.board,
+            slots={rank: slot for slot, rank in enumerate(self.local)} if self.board else None,
+        )
+        self.store.set_node_owner(node, f"sim-agent-{node}")  # as NodeAgent does as it starts
+        for rank in self.local:  # as NodeAgent.start_rank, before the rank's process starts
+            self._first_beat(rank, 0)
+        self.relay = None
+        if spec.node_join:
+            assert self.board is not None
+            self.relay = JoinRelay(
+                self.board,
+                ranks=self.local,
+                world_size=spec.world,
+                store=job.client(agent=True),
+                waiter=job.client(agent=True),
+                generation=0,
+                on_view=self._seen,
+            )
+        self.watch = MoveWatch(
+            job.client(agent=True),
+            0,
+            name=f"agent{node}-move-watch",
+            on_moved=self.relay.moved if self.relay is not None else None,
+        )
+
+    def run(self) -> None:
+        job, spec, gen, looked_once = self.job, self.job.spec, 0, False
+        self.watch.start()
+        if self.relay is not None:
+            self.relay.start()
+        try:
+            while not job.shared.done.is_set():
+                with job.lock:  # the node's look: a dead rank's exit code, and the board (no request)
+                    lost = [r for r in self.local if r in job.dead]
+                    job.dead.difference_update(lost)
+                moved = self.watch.take()
+                due = moved or lost or self.look.since_pass() >= STORE_INTERVAL_S
+                # NodeAgent glances at its board every tick (for hangs, not simulated here); with a board
+                # that glance asks for a store pass only before the first, so the simulated agent skips
+                # it after that (~0.1 ms of an interpreter, 10 times a second per node)
+                if due or ((not looked_once or self.board is None) and self.look.glance(self.local) is None):
+                    start, before = time.perf_counter(), self.own.total()
+                    steady = job.shared.agents_known.is_set()
+                    look = self.look.look(gen, self.local)
+                    job.looks.append(time.perf_counter() - start)
+                    if not (moved or lost):  # an ordinary pass (its interval), not one for a move or death
+                        job.passes.append((time.monotonic(), self.own.total() - before))
+                    gen, looked_once = max(gen, look.current), True
+                    self.first_pass.set()
+                    if steady:
+                        self.steady_pass.set()
+                for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
+                    if self.relay is not None:
+                        self.relay.slot_lost(rank % spec.per_node)
+                    gen = max(gen, self.store.generation())
+                    # Only if no generation answered the death yet (its survivors may have moved on)
+                    if self.store.member(rank) >= gen:
+                        gen = self.store.advance_generation(gen, world_size=spec.world)
+                    if self.relay is not None:
+                        self.relay.slot_started(rank % spec.per_node)
+                    self._first_beat(rank, gen)
+                    self.store.set_member(rank, gen)
+                    SimRank(job, rank, generation=gen, first_step=spec.kill_step).start()
+                self.watch.pause(MONITOR_INTERVAL_S)
+        except Exception as err:  # a bench thread's failure is reported in the table's place
+            job.fail(f"agent {self.node}", err)
+        finally:
+            # The job is over: end the watch's wait before the job's store closes (as the agent
+            # hosting the store does), so no wait is left on a connection that closes.
+            if self.relay is not None:
+                self.relay.stop()
+            self.watch.stop(release=self.store)
+
+    def _seen(self, view: NodeView) -> None:
+        """The relay's node record changed: when it says a barrier opened full, note the time."""
+        if view.full:
+            self.job.barrier_full.setdefault(self.node, []).append((view.barrier, time.monotonic()))
+
+    def _first_beat(self, rank: int, gen: int) -> None:
+        """The beat NodeAgent.start_rank writes for a rank it starts: to the store and the board."""
+        beat = Heartbeat(gen, -1, time.time())
+        self.store.set_rank_heartbeat(rank, beat)
+        if self.board is not None:
+            self.board.write(rank % self.job.spec.per_node, beat, by_agent=True)
+            self.look.published(rank, beat)
