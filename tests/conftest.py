@@ -40,6 +40,30 @@ def compose_config(overrides: list[str], run_dir: Path) -> dict[str, Any]:
     return container
 
 
+SHM = Path("/dev/shm")  # data.mmap_cache_base's default: the jobs of most tests put their batch cache here
+
+
+@pytest.fixture(autouse=True)
+def no_orphan_batch_cache():
+    """Fail a test after which a batch-cache directory of a dead agent is left in ``/dev/shm`` that was
+    not there before it (an agent killed with SIGKILL cannot remove its own; the next agent on the
+    node would, but at the end of a test there is none): removed, and named in the failure. Under
+    pytest-xdist the test beside it may have left it."""
+    from ckless_lightning.agent.batch_cache_service import orphan_cache_dirs
+
+    before = {entry.name for entry in SHM.iterdir()} if SHM.is_dir() else set()
+    yield
+    if not SHM.is_dir():
+        return
+    left = [entry for entry in orphan_cache_dirs(SHM) if entry.name not in before]
+    for entry in left:
+        shutil.rmtree(entry, ignore_errors=True)
+    assert not left, (
+        f"batch-cache directories of dead agents left in {SHM} (removed): {[e.name for e in left]};"
+        " a test that kills an agent passes data.mmap_cache_base under its tmp_path"
+    )
+
+
 @pytest.fixture
 def compose(tmp_path: Path):
     return lambda *overrides: compose_config(list(overrides), tmp_path / "run")

@@ -12,6 +12,7 @@ import psutil
 import pytest
 from conftest import ROOT
 
+from ckless_lightning.agent.batch_cache_service import orphan_cache_dirs
 from ckless_lightning.record.events import read_events
 
 
@@ -109,7 +110,11 @@ def test_killed_launcher_takes_its_ranks_along(tmp_path, data_cache):
     """Cold ranks, a cold reader and a cold warm spare (no fork server: each a ``python -m``
     process of its own, the path the other jobs of the tests do not take) die with a SIGKILLed
     launcher."""
-    proc, ranks = start_long_run(tmp_path, data_cache, "agent.fork_server=false")
+    shm = tmp_path / "shm"  # the killed agent cannot remove its batch cache: not in /dev/shm
+    shm.mkdir()
+    proc, ranks = start_long_run(
+        tmp_path, data_cache, "agent.fork_server=false", f"data.mmap_cache_base={shm}"
+    )
     try:
         commands = [_cmdline(p) or "" for p in ranks]
         assert sum("ckless_lightning.rank" in c for c in commands) == 4, commands
@@ -120,6 +125,10 @@ def test_killed_launcher_takes_its_ranks_along(tmp_path, data_cache):
         proc.kill()
         proc.wait(timeout=30)
         assert_all_gone(ranks)
+        # What it left is its agent's batch cache, which the next agent on the node removes as it
+        # starts (BatchCacheService: a cache directory whose agent is dead)
+        left = list(shm.iterdir())
+        assert len(left) == 1 and orphan_cache_dirs(shm) == left, left
     finally:
         _stop(proc, ranks)
 
