@@ -196,7 +196,8 @@ class Shared:
         return self.fault.value or None
 
     def cpu_seconds(self) -> float:
-        """The CPU time of the parent (which hosts the store) and every worker so far."""
+        """The CPU time of the parent (which hosts the store) and every worker so far, in clock ticks
+        (10 ms: read it over seconds, not a few steps of milliseconds)."""
         ticks = 0
         for pid in self.pids:
             if not pid:
@@ -272,6 +273,7 @@ class Coordinator(threading.Thread):
         self.lost: list[str] = []  # workers whose pipe closed before their final message
         self._arrivals: dict[tuple[int, int], list[float]] = {}  # (gen, step) -> [count, min flag, last]
         self._broken: set[int] = set()
+        self._closed: set[int] = set()  # workers whose pipe refused a message (they ended)
 
     def wait_phase(self, phase: str, timeout_s: float) -> bool:
         """Whether every worker reached ``phase`` within ``timeout_s``."""
@@ -319,12 +321,14 @@ class Coordinator(threading.Thread):
 
     def _tell(self, msg: tuple) -> None:
         for index, conn in enumerate(self.conns):
-            if index in self.finals:  # a worker that sent its results reads no more
+            if index in self.finals or index in self._closed:  # it reads no more
                 continue
             try:
                 conn.send(msg)
-            except (BrokenPipeError, ConnectionResetError):  # it ended: its EOF is counted in run()
-                self.lost.append(f"worker {index}: pipe closed while the job ran")
+            except (BrokenPipeError, ConnectionResetError):
+                # It ended (its results may still be in the pipe): run() reads them, or reports a
+                # worker that ended without them
+                self._closed.add(index)
 
 
 @dataclass

@@ -79,5 +79,6 @@ def test_the_collective_vote_spans_the_simulators_worker_processes(tmp_path: Pat
     assert 0 < row["recovery_store_s"] <= row["recovery_s"] < 30
     # A recovery's store work is per node (the relays), not per rank
     assert 0 < row["recovery_store_requests_per_node"] <= 40
-    assert row["sim_cpu_per_rank_step_s"] > 0 and row["cores"] >= 1
+    # (CPU time is read in clock ticks, 10 ms: a steady window of 3 steps of 20 ms may read none)
+    assert row["sim_cpu_per_rank_step_s"] >= 0 and row["cores"] >= 1
     assert "the simulator's own load" in run.stdout and "2 worker process(es)" in run.stdout
