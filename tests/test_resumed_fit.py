@@ -23,7 +23,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ckless_lightning.training.callbacks import StepCheckpoint, StepProgressBar
+from ckless_lightning.training.callbacks import ResumedCheckpoints, StepCheckpoint, StepProgressBar
 
 MAX_STEPS = 8
 
@@ -64,7 +64,11 @@ class _Module(pl.LightningModule):
 
 
 def _fit(
-    root: Path, accumulate: int, save: ModelCheckpoint, ckpt_path: Path | None = None
+    root: Path,
+    accumulate: int,
+    save: ModelCheckpoint,
+    ckpt_path: Path | None = None,
+    *others: pl.Callback,
 ) -> StepProgressBar:
     bar = StepProgressBar()
     trainer = pl.Trainer(
@@ -75,7 +79,7 @@ def _fit(
         accumulate_grad_batches=accumulate,
         logger=False,
         enable_model_summary=False,
-        callbacks=[bar, save],
+        callbacks=[bar, save, *others],
     )
     assert trainer.progress_bar_callback is bar
     trainer.fit(_Module(MAX_STEPS * accumulate), ckpt_path=ckpt_path)
@@ -97,10 +101,23 @@ def test_bar_total_holds_after_a_resume_from_a_mid_run_step(tmp_path: Path, accu
     assert (resumed.train_progress_bar.total, resumed.train_progress_bar.n) == (total, total)
 
 
-@pytest.mark.parametrize("callback", ["lightning", "step_checkpoint"])
+@pytest.mark.parametrize("callback", ["lightning", "step_checkpoint", "users_own"])
 def test_a_resumed_fit_does_not_write_its_checkpoint_again(tmp_path: Path, callback: str) -> None:
+    """``lightning``: the premise, Lightning's own writes step 4 again; ``step_checkpoint``: the job's
+    does not; ``users_own``: neither does Lightning's own beside ``ResumedCheckpoints`` (which
+    ``InProcessRecovery`` adds to every generation's Trainer), while a second ``ModelCheckpoint``
+    writing to another directory, which does not hold step 4, still saves it."""
+    elsewhere = tmp_path / "elsewhere"
+    others: tuple[pl.Callback, ...] = ()
+    if callback == "users_own":
+        # (another monitor: two ModelCheckpoints of one Trainer need state keys of their own)
+        second = ModelCheckpoint(
+            dirpath=elsewhere, every_n_train_steps=4, save_top_k=-1, monitor="step", mode="max"
+        )
+        others = (ResumedCheckpoints(), second)  # only in the resumed fit: its directory is empty
+
     def save() -> ModelCheckpoint:
-        if callback == "lightning":  # the premise: Lightning's own writes step 4 again
+        if callback in ("lightning", "users_own"):
             return ModelCheckpoint(
                 dirpath=tmp_path,
                 filename="step{step:08d}",
@@ -114,9 +131,11 @@ def test_a_resumed_fit_does_not_write_its_checkpoint_again(tmp_path: Path, callb
     step4 = tmp_path / "step00000004.ckpt"
     written = step4.stat().st_mtime_ns
     (tmp_path / "step00000008.ckpt").unlink()
-    _fit(tmp_path, 2, save(), ckpt_path=step4)
+    _fit(tmp_path, 2, save(), step4, *others)
     assert (tmp_path / "step00000008.ckpt").is_file()  # later checkpoints are still written
     assert (step4.stat().st_mtime_ns != written) == (callback == "lightning")
+    if callback == "users_own":
+        assert sorted(p.name for p in elsewhere.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
 
 
 def test_a_resume_at_a_step_with_no_checkpoint_on_disk_still_saves_it(tmp_path: Path) -> None:

@@ -76,7 +76,12 @@ from ckless_lightning.runtime.contract import (
     is_device_fault,
     is_peer_failure,
 )
-from ckless_lightning.training.callbacks import HeartbeatCallback, SnapshotCallback, TimelineCallback
+from ckless_lightning.training.callbacks import (
+    HeartbeatCallback,
+    ResumedCheckpoints,
+    SnapshotCallback,
+    TimelineCallback,
+)
 from ckless_lightning.training.strategy import MEMORY_CHECKPOINT, CheckpointlessStrategy
 
 __all__ = ["InProcessRecovery", "JobGaveUp", "MakeTrainer", "RecoveryFaults"]
@@ -511,6 +516,8 @@ class InProcessRecovery:
         callbacks.append(HeartbeatCallback(self.beats, rank=self.rank, generation=gen))
         if self.events is not None:
             callbacks.append(TimelineCallback(self.events, rank=self.rank, generation=gen))
+        # The user's own ModelCheckpoint does not write again the checkpoint a recovery resumed from
+        callbacks.append(ResumedCheckpoints())
         return callbacks
 
     def _leave(self, err: Exception) -> None:

@@ -9,7 +9,7 @@ from ckless_lightning.training.callbacks.progress import StepProgressBar
 from ckless_lightning.training.callbacks.recovery_metrics import RecoveryMetricsCallback
 from ckless_lightning.training.callbacks.sample_log import SampleLogCallback
 from ckless_lightning.training.callbacks.snapshot import SnapshotCallback
-from ckless_lightning.training.callbacks.step_checkpoint import StepCheckpoint
+from ckless_lightning.training.callbacks.step_checkpoint import ResumedCheckpoints, StepCheckpoint
 from ckless_lightning.training.callbacks.step_stats import StepStatsCallback
 from ckless_lightning.training.callbacks.timeline import TimelineCallback
 
@@ -21,6 +21,7 @@ __all__ = [
     "InjectedFault",
     "LossHistoryCallback",
     "RecoveryMetricsCallback",
+    "ResumedCheckpoints",
     "SampleLogCallback",
     "SnapshotCallback",
     "StepCheckpoint",
