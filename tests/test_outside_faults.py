@@ -175,7 +175,7 @@ def test_a_job_that_spends_its_budget_on_outside_faults_says_what_happens_next(o
 
 
 @pytest.mark.timeout(600)
-def test_sigterm_and_a_killed_launcher_are_endings_with_their_faults(outside, capsys):
+def test_sigterm_and_a_killed_launcher_are_endings_with_their_faults(outside, tmp_path, capsys):
     # SIGTERM (a preemption): the summary, with the outside fault before it, and what happens next.
     job = outside("trainer.max_steps=100000", "checkpoint.every_n_steps=0", *TIER4, name="term")
     job.wait_for_step(3)
@@ -188,8 +188,17 @@ def test_sigterm_and_a_killed_launcher_are_endings_with_their_faults(outside, ca
     assert [row.split()[1] for row in table_rows(out)] == ["SIGKILL@2"]
     assert any(line.startswith("next: stopped from outside") for line in out.rstrip().splitlines()[-2:])
 
-    # The launcher SIGKILLed: nothing prints; the report reads the run back, fault and ending.
-    killed = outside("trainer.max_steps=100000", "checkpoint.every_n_steps=0", *TIER4, name="killed")
+    # The launcher SIGKILLed: nothing prints; the report reads the run back, fault and ending. Its
+    # agent cannot remove its batch cache: not in /dev/shm (the next agent on a node would).
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    killed = outside(
+        "trainer.max_steps=100000",
+        "checkpoint.every_n_steps=0",
+        *TIER4,
+        f"data.mmap_cache_base={shm}",
+        name="killed",
+    )
     killed.wait_for_step(3)
     killed.signal_rank(1, signal.SIGKILL)
     killed.wait_for_step(6)
