@@ -1,6 +1,6 @@
 """Network partitions: nodes in network namespaces cut off and healed (``pytest -k partition``).
 
-Each test runs a two-node job (2 ranks per node, tier 1 or 4, 12 steps, a checkpoint every 5) on a
+Each test runs a two-node job (2 ranks per node, tier 1 or 4, 40 steps, a checkpoint every 5) on a
 standalone job store, every node and the store in a network namespace of its own (tests/netns.py),
 cuts links (for 1 s at step 3, for long at step 7) and compares the run bitwise with the fault-free
 reference. Leftovers are
@@ -24,8 +24,18 @@ from partition_job import PartitionJob
 
 pytestmark = pytest.mark.skipif(netns_unavailable() is not None, reason=netns_unavailable() or "")
 
-STEPS = 12
+# Training must outlast the fence after the long cut (agent.fence_after, 3 s after the node's last
+# store pass): with 12 steps of 0.2 s on a quick machine the job ended 1.2 s after a cut at step 7,
+# before node 1 was fenced, and nothing was left for the standby to take over.
+STEPS = 40
 CUT_AT_STEP = 7
+
+
+def _with_steps(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """A shared reference's training, run for :data:`STEPS` steps."""
+    return (*(o for o in overrides if not o.startswith("trainer.max_steps=")), f"trainer.max_steps={STEPS}")
+
+
 # Elastic HSDP over the two nodes: node i holds replica i (TINY_HSDP_REFERENCE's training).
 ELASTIC_2X2 = (
     "cluster.replicate=2",
@@ -39,7 +49,7 @@ ELASTIC_2X2 = (
 
 @pytest.fixture(scope="module")
 def reference(reference_run) -> Path:
-    return reference_run(*TINY_REFERENCE)  # COMMON's training on one node, fault-free
+    return reference_run(*_with_steps(TINY_REFERENCE))  # COMMON's training on one node, fault-free
 
 
 def _shm_of(pids: list[int]) -> list[str]:
@@ -128,14 +138,21 @@ def test_partition_node_cut_off_is_fenced_and_taken_over(partition_job, referenc
 def _cut_node1_until_taken_over(
     job: PartitionJob, reference: Path, tmp_path: Path, *, peers: bool, store: bool
 ) -> tuple[float, dict, dict]:
-    """At step 7, cut node 1's ``peers`` and/or ``store`` link until it fenced and the job moved on (and
-    1 s more), heal it, and check that every agent ended 0 and the run is bitwise the reference: the
-    cut's time, the fence and the move."""
+    """At step 7, cut node 1's ``peers`` and/or ``store`` link until it fenced, the job moved on and the
+    standby started node 1's ranks (and 1 s more), heal it, and check that every agent ended 0 and the
+    run is bitwise the reference: the cut's time, the fence and the move. (The move can come before
+    the take-over: a rank of node 0 that fails on its fenced peers moves the job at once, and the
+    standby takes the node only after agent.node_timeout; healed before that, node 1's own agent
+    kept it. Node 1's ranks started in a later generation while it is cut are the standby's.)"""
     job.wait_for_step(CUT_AT_STEP)
     job.cluster.cut(1, peers=peers, store=store)
     cut_at = time.time()
     fenced = job.wait_for_event("fenced", node=1)
     moved = job.wait_for_event("generation", gen=1)
+    deadline = time.monotonic() + 60
+    while not [e for e in job.events("ranks_started") if e["node"] == 1 and e["gen"] >= 1]:
+        assert time.monotonic() < deadline, f"the standby started no rank of node 1 within 60 s\n{job.logs()}"
+        time.sleep(0.05)
     time.sleep(1.0)
     job.cluster.heal(1, peers=peers, store=store)
     codes = job.finish()
@@ -201,7 +218,7 @@ def test_partition_peers_cut_off_with_no_standby_shrinks_an_elastic_job(
     the done mark of a node outside the generation, and the cut-off agent leaves when the job is done."""
     from test_elastic import assert_same_training_within_tolerance
 
-    reference = reference_run(*TINY_HSDP_REFERENCE)
+    reference = reference_run(*_with_steps(TINY_HSDP_REFERENCE))
     job = partition_job
     job.overrides += ELASTIC_2X2
     job.start_nodes(standby=False, tier=4)
