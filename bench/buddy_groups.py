@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-from control_plane_sim import CountingStore
+from control_plane_procs import CountingStore
 
 from ckless_lightning.recovery.sever import tcp_connections
 from ckless_lightning.replication.buddy_links import form_buddy_links

@@ -7,7 +7,8 @@
 Everything that is not the model runs as the job runs it, one thread per simulated rank and per
 simulated node agent, against a real ``TCPStore`` hosting the job store in this process. The nodes
 are split over ``--procs`` forked worker processes (whole nodes each; default one per 8 nodes), so
-that 1,024 ranks' threads do not all wait for one interpreter lock (``control_plane_sim.py``). The
+that 1,024 ranks' threads do not all wait for one interpreter lock (``control_plane_sim.py``;
+``control_plane_procs.py``: what crosses between the processes). The
 agents start first and make their store passes; the ranks start once every agent's pass reads the
 job in one request, as on a real job, whose agents run for seconds before its ranks have imported:
 
@@ -76,7 +77,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from control_plane_sim import SECRET, SETUP_S, Coordinator, JobSpec, Shared, run_worker  # noqa: E402
+from control_plane_procs import SETUP_S, Coordinator, JobSpec, Shared  # noqa: E402
+from control_plane_sim import SECRET, run_worker  # noqa: E402
 
 from ckless_lightning.comm import JobStore  # noqa: E402
 from ckless_lightning.comm.store import connect_store  # noqa: E402
@@ -225,7 +227,7 @@ def simulate(
             if not coordinator.wait_phase(phase, SETUP_S):
                 raise SystemExit(f"{world} ranks: not every node agent {what} within {SETUP_S:.0f} s")
             then.set()
-        window = _watch_window(shared, steady_from=5, steady_to=kill_step - 1, bound_s=SETUP_S + 60 * steps)
+        window = _watch_window(shared, steady_from=5, steady_to=kill_step - 1, bound_s=spec.bound_s)
         coordinator.join(RESULTS_S)
     finally:
         shared.done.set()

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import launch_command
@@ -103,11 +104,14 @@ class PartitionJob:
             assert all(a.poll() is None for a in self.agents.values()), self.logs()
             time.sleep(0.05)
 
-    def wait_for_event(self, kind: str, timeout: float = 60, **fields: object) -> dict:
+    def wait_for_event(
+        self, kind: str, timeout: float = 60, where: Callable[[dict], bool] | None = None, **fields: object
+    ) -> dict:
+        """The first event of ``kind`` with these ``fields`` (and for which ``where`` holds, if given)."""
         deadline = time.monotonic() + timeout
         while True:
             for event in self.events(kind):
-                if all(event.get(k) == v for k, v in fields.items()):
+                if all(event.get(k) == v for k, v in fields.items()) and (where is None or where(event)):
                     return event
             assert time.monotonic() < deadline, f"no {kind} {fields} within {timeout} s\n{self.logs()}"
             time.sleep(0.05)
