@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,89 @@ def test_store_interval_composes_from_the_command_line(compose):
     assert job_config_from_dict(compose("agent.store_interval=0.5")).agent.store_interval == 0.5
     with pytest.raises(ValueError, match=r"agent\.store_interval=20 must be at most"):
         job_config_from_dict(compose("agent.store_interval=20"))
+
+
+# -- who watches whom (agent.watch_nodes) ----------------------------------------------------------
+
+
+def _agents(host, nnodes, *, timeout_s=30.0, watch_nodes=2):
+    for node in range(nnodes):
+        host.set_node_owner(node, f"agent-{node}")
+    return [
+        StoreLook(host, node=n, nnodes=nnodes, node_timeout_s=timeout_s, agent_id=f"agent-{n}",
+                  watch_nodes=watch_nodes)
+        for n in range(nnodes)
+    ]  # fmt: skip
+
+
+def _silent(look, gen=0):
+    return sorted(node for node, _ in look.look(gen, []).silent_nodes)
+
+
+def test_each_agent_watches_the_next_nodes_and_every_node_is_watched_as_often(host):
+    """A pass reads ``watch_nodes`` other agents' beats at any job size (one key more per watcher
+    is what the store pays per node, not one per node); every node has that many watchers; a job
+    of at most watch_nodes + 1 nodes is watched by every other node, as before."""
+    looks = _agents(host, 64)
+    assert looks[0].watched() == [1, 2] and looks[62].watched() == [63, 0] and looks[63].watched() == [0, 1]
+    watchers = Counter(n for look in looks for n in look.watched())
+    assert set(watchers.values()) == {2} and len(watchers) == 64
+    for look in looks:
+        look.look(0, [])
+    assert all(look.watched() == [(look.node + 1) % 64, (look.node + 2) % 64] for look in looks)
+    assert _agents(host, 3)[1].watched() == [2, 0]
+    assert _agents(host, 5, watch_nodes=4)[2].watched() == [3, 4, 0, 1]
+
+
+def test_lost_watchers_hand_their_watch_to_the_agent_before_them(host):
+    """Nodes 1, 2 and 3 of 6 are lost together: 1 and 2 were 3's only watchers. The live agents
+    before them (5 and 0) find the silent nodes they watch, read on past them and find the next,
+    until they watch two live nodes again; a live node's list stays as it was; a lost node that
+    beats again (a standby took it) ends the watch past it."""
+    looks = _agents(host, 6, timeout_s=1.0)  # room for a loaded machine's pauses
+    for look in looks:
+        look.look(0, [])
+    deadline = time.monotonic() + 20
+    while _silent(looks[5]) != [1, 2, 3] and time.monotonic() < deadline:
+        looks[4].look(0, [])
+        looks[0].look(0, [])
+        time.sleep(0.05)
+    # Node 5 watched 0 and 1; 1 silent, it read 2 as well, and then 3: one node_timeout each
+    assert _silent(looks[5]) == [1, 2, 3] and looks[5].watched() == [0, 1, 2, 3, 4]
+    assert _silent(looks[0]) == [1, 2, 3] and looks[0].watched() == [1, 2, 3, 4, 5]
+    assert _silent(looks[4]) == [] and looks[4].watched() == [5, 0]  # a live node's list as it was
+    # A standby took node 2 over: it beats again, from the count it fell silent at
+    host.set_node_owner(2, "standby-2")
+    StoreLook(host, node=2, nnodes=6, node_timeout_s=1.0, agent_id="standby-2").look(1, [])
+    assert _silent(looks[0], 1) == [1, 3] and looks[0].watched() == [1, 2, 3, 4]
+    # Node 5's pass that finds 2 live still read 3 (silent); the next reads 0, 1 and 2 alone: 3 is
+    # watched by 0 and (the standby's) 2
+    assert _silent(looks[5], 1) == [1, 3] and looks[5].watched() == [0, 1, 2]
+    assert _silent(looks[5], 1) == [1] and looks[5].watched() == [0, 1, 2]
+
+
+def test_a_node_watched_again_is_timed_from_then_on(host):
+    """A node an agent stopped watching (the silence before it ended) and watches again is timed
+    from the new look, not from the count it read before: never lost at once on an old reading."""
+    looks = _agents(host, 4, timeout_s=1.0)  # room for a loaded machine's pauses
+    for look in looks + looks[1:] + looks[:1]:  # every agent beat, and 0 read the last beats of 1 and 2
+        look.look(0, [])
+    time.sleep(1.1)
+    looks[2].look(0, [])  # 1 is silent, 2 and 3 beat
+    looks[3].look(0, [])
+    assert _silent(looks[0]) == [1] and looks[0].watched() == [1, 2, 3]
+    assert _silent(looks[0]) == [1]  # this pass read 3's count
+    looks[1].look(0, [])  # 1 beats again
+    assert _silent(looks[0]) == [] and looks[0].watched() == [1, 2]
+    looks[0].look(0, [])  # a pass without 3: its count is forgotten
+    time.sleep(1.1)  # 1 and 3 fall silent; 2 beats
+    looks[2].look(0, [])
+    assert _silent(looks[0]) == [1] and looks[0].watched() == [1, 2, 3]
+    assert _silent(looks[0]) == [1]  # 3's count is timed from this pass, not from 1.1 s ago
+
+
+def test_watch_nodes_must_be_at_least_one_and_composes_from_the_command_line(compose):
+    assert AgentConfig().watch_nodes == 2
+    with pytest.raises(ValueError, match=r"agent\.watch_nodes must be at least 1 .* got 0: leave it at 2"):
+        AgentConfig(watch_nodes=0)
+    assert job_config_from_dict(compose("agent.watch_nodes=3")).agent.watch_nodes == 3

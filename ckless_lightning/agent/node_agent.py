@@ -275,6 +275,7 @@ class NodeAgent:
             nnodes=self.cluster.nnodes,
             node_timeout_s=self.cfg.node_timeout,
             agent_id=self.agent_id,
+            watch_nodes=self.cfg.watch_nodes,
             board=self.board,
             slots={rank: slot for slot, rank in enumerate(self.local_ranks)} if self.board else None,
         )

@@ -38,12 +38,22 @@ class StoreLook:
 
     Other agents' liveness is a beat count each raises per pass; a count that has not moved for
     ``node_timeout_s`` on this agent's own clock makes that node silent (clocks of different
-    machines are never compared). A pass costs the store two requests for any number of nodes and
-    ranks: one read (:meth:`JobStore.agent_pass_read`: the generation, the job's give-up, the node's
-    owner, every other agent's beat) and, while this agent still owns its node, one write
+    machines are never compared). An agent watches ``watch_nodes`` other nodes, not all: the next
+    ones after its own in node order (wrapping), and past any of them it found silent up to as
+    many live ones. So every node is watched by the ``watch_nodes`` live agents before it; a
+    pass reads O(``watch_nodes``) keys whatever the job's size (reading every agent's beat made the
+    store's work grow with the nodes squared); and when a node's watchers are lost with it, the
+    agent before them takes their place at its next pass, so that a run of lost nodes one after
+    another is found node by node, each within ``node_timeout`` of being watched. Whoever finds a
+    node silent moves the job (:mod:`~ckless_lightning.agent.policies`); every other agent learns
+    of it from the move.
+
+    A pass costs the store two requests for any number of nodes and ranks: one read
+    (:meth:`JobStore.agent_pass_read`: the generation, the job's give-up, the node's owner, the
+    watched agents' beats) and, while this agent still owns its node, one write
     (:meth:`JobStore.agent_pass_write`: its own beat and its ranks' changed heartbeats). Until every
-    agent has beaten once, a pass reads key by key instead. Between store passes, :meth:`glance`
-    reads the local ranks' beats off the board alone.
+    watched agent has beaten once, a pass reads key by key instead. Between store passes,
+    :meth:`glance` reads the local ranks' beats off the board alone.
     """
 
     def __init__(
@@ -54,13 +64,16 @@ class StoreLook:
         nnodes: int,
         node_timeout_s: float,
         agent_id: str,
+        watch_nodes: int = 2,
         board: BeatBoard | None = None,
         slots: Mapping[int, int] | None = None,
     ) -> None:
-        """``agent_id``: this agent, as :meth:`JobStore.set_node_owner` names it. ``board``: the
-        node's heartbeat board, ``slots`` its slot per local rank (None: the local ranks beat to the
-        store, and the look reads them there)."""
+        """``agent_id``: this agent, as :meth:`JobStore.set_node_owner` names it. ``watch_nodes``:
+        how many other nodes' agents it watches (``agent.watch_nodes``; every other node in a job of
+        at most ``watch_nodes + 1``). ``board``: the node's heartbeat board, ``slots`` its slot per
+        local rank (None: the local ranks beat to the store, and the look reads them there)."""
         assert (board is None) == (slots is None)
+        assert watch_nodes >= 1, watch_nodes
         self.store = store
         self.node = node
         self.nnodes = nnodes
@@ -68,8 +81,9 @@ class StoreLook:
         self.agent_id = agent_id
         self.board = board
         self.slots = slots
-        self._others = [n for n in range(nnodes) if n != node]
-        self._ready = False  # every key a pass reads exists: one multi_get reads them all
+        self.watch_nodes = watch_nodes
+        self._ring = [(node + i) % nnodes for i in range(1, nnodes)]  # the other nodes, the next first
+        self._ready_for: list[int] | None = None  # watched nodes whose keys all exist: one multi_get
         self._node_beats: dict[int, tuple[int, float]] = {}  # node -> (beat count, monotonic time seen)
         self._published: dict[int, Heartbeat] = {}  # rank -> the beat the store holds for it
         self._last: Look | None = None  # the last store pass's reading
@@ -89,14 +103,15 @@ class StoreLook:
         store."""
         store = self.store
         self._last_at = time.monotonic()
-        if not self._ready:
-            self._ready = store.agent_pass_ready(self.node, self._others)
-        if self._ready:
-            reading = store.agent_pass_read(self.node, self._others)
+        watched = self.watched()
+        if self._ready_for != watched and store.agent_pass_ready(self.node, watched):
+            self._ready_for = watched
+        if self._ready_for == watched:
+            reading = store.agent_pass_read(self.node, watched)
             current, giveup, owner, agents = reading.current, reading.giveup, reading.owner, reading.agents
-        else:  # some agent has not beaten yet (the job's first seconds): key by key
+        else:  # a watched agent has not beaten yet (the job's first seconds): key by key
             current, giveup = store.generation(), store.giveup_reason() is not None
-            owner, agents = store.node_owner(self.node), store.agent_heartbeats(self._others)
+            owner, agents = store.node_owner(self.node), store.agent_heartbeats(watched)
         owned = owner == self.agent_id
         beats: dict[int, Heartbeat] = {}
         if owned:
@@ -108,6 +123,8 @@ class StoreLook:
             self.beat(gen, changed)
         now = time.monotonic()
         silent = []
+        # A node no longer watched is forgotten: watched again, its silence is timed from then on
+        self._node_beats = {n: seen for n, seen in self._node_beats.items() if n in agents}
         for node, (node_gen, count) in agents.items():
             seen = self._node_beats.get(node)
             if count < 0:  # its agent gave the node up (:meth:`release`): silent already
@@ -118,6 +135,19 @@ class StoreLook:
                 silent.append((node, node_gen))
         self._last = Look(owned, giveup, current, beats, tuple(silent))
         return self._last
+
+    def watched(self) -> list[int]:
+        """The nodes whose agents the next pass reads: in node order from the one after this, up to
+        the ``watch_nodes``-th that the last pass did not find silent."""
+        silent = {node for node, _ in self._last.silent_nodes} if self._last is not None else set()
+        watched: list[int] = []
+        live = 0
+        for node in self._ring:
+            if live == self.watch_nodes:
+                break
+            watched.append(node)
+            live += node not in silent
+        return watched
 
     def since_pass(self) -> float:
         """Seconds since the last :meth:`look` began (infinity before the first)."""

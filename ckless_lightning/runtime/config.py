@@ -247,7 +247,10 @@ class AgentConfig:
     The agent looks at its node (exit codes, its ranks' heartbeats) every ``monitor_interval``
     and goes to the job store (its own beat, the job's generation and give-up, the other agents'
     beats) every ``store_interval``, at most ``node_timeout / 3`` so that a live node's beats are
-    seen well within ``node_timeout``; a generation move wakes it at once.
+    seen well within ``node_timeout``; a generation move wakes it at once. It reads the beats of
+    ``watch_nodes`` other agents, not all: the next nodes after its own, past any found silent
+    (``agent/store_look.py``), so every node is watched by that many and a pass costs the store the
+    same at 2 nodes as at 2,000; a silent node's watchers move the job, the others follow the move.
 
     ``fence_after`` (default ``node_timeout / 2``): an agent that has had no answer from the job
     store for this long kills its ranks itself (a node cut off from the network), so that they are
@@ -272,6 +275,7 @@ class AgentConfig:
     restart_window_s: float = 3600.0
     monitor_interval: float = 0.1
     store_interval: float = 1.0
+    watch_nodes: int = 2
     stop_grace_s: float = 10.0
     replace_timeout: float = 60.0
     fence_after: float | None = None
@@ -281,6 +285,11 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.spares < 0:
             raise ValueError(f"agent.spares must be >= 0, got {self.spares}")
+        if self.watch_nodes < 1:
+            raise ValueError(
+                f"agent.watch_nodes must be at least 1 (how many other nodes' agents each agent watches "
+                f"for a lost node), got {self.watch_nodes}: leave it at 2, or raise it for more watchers"
+            )
         if self.max_restarts < 0:
             raise ValueError(f"agent.max_restarts must be >= 0, got {self.max_restarts}")
         for key in (
