@@ -1,8 +1,9 @@
 """The job's control plane at scale, without training: N simulated ranks against the real job store.
 
     python bench/control_plane.py [--ranks 8 64 256 1024] [--ranks-per-node 8] [--step-ms 100]
-                                  [--steps 30] [--kill-step 15] [--tier 4] [--vote wait|poll|collective]
-                                  [--beats local|store] [--join node|store] [--procs K] [--json PATH]
+                                  [--steps 60] [--kill-step 45] [--tier 4] [--vote wait|poll|collective]
+                                  [--beats local|store] [--join node|store] [--watch-nodes K]
+                                  [--procs K] [--json PATH]
 
 Everything that is not the model runs as the job runs it, one thread per simulated rank and per
 simulated node agent, against a real ``TCPStore`` hosting the job store in this process. The nodes
@@ -22,11 +23,13 @@ job in one request, as on a real job, whose agents run for seconds before its ra
   fingerprint stays with the rank and its copy: no store request),
   and reports where it is once a second, as ``WhereReporter`` does when the place changed (to its
   slot of the node's board, or with ``--beats store`` to the store);
-- each node agent (``--ranks-per-node`` ranks) looks at its node every ``agent.monitor_interval``
-  (0.1 s: the board, no request) and makes the store pass every ``agent.store_interval`` (1 s;
-  :class:`StoreLook`, the node agent's own code: its beat, and its ranks' beats that changed, in
-  one request after one read), at once when its :class:`MoveWatch` sees the generation move (which
-  it also tells its relay); when
+- each node agent (``--ranks-per-node`` ranks; the agents' passes begin at phases of their own, as
+  on a real job whose agents start seconds apart; each reads the beats of ``--watch-nodes`` other
+  agents, ``agent.watch_nodes``, 0: of every other agent, as before 2026-12-08) looks at its node
+  every ``agent.monitor_interval`` (0.1 s: the board, no request) and makes the store pass every
+  ``agent.store_interval`` (1 s; :class:`StoreLook`, the node agent's own code: its beat, and its
+  ranks' beats that changed, in one request after one read), at once when its :class:`MoveWatch`
+  sees the generation move (which it also tells its relay); when
   one of its ranks dies, it moves the job to the next generation (``JobStore.advance_generation``)
   and starts a replacement rank (new connections; heartbeat and membership written as the agent
   does);
@@ -48,7 +51,10 @@ job is a ``CountingStore`` around a ``TCPStore`` client, which counts each reque
 connection is not used by the job.
 
 Per N it prints: store requests per rank-step (steady state: from the 5th step to the one before
-the fault), requests per second at the store, the vote's latency (p50, p99: from a rank's vote to
+the fault; the ranks' own are counted in that window, the node agents' are read off their passes,
+agent by agent, as requests per node and second: each agent passes once per second at a phase of
+its own, and a window of a few steps would hold one pass of this agent and two of that one), the
+window's mean step, requests per second at the store, the vote's latency (p50, p99: from a rank's vote to
 its decision, which includes waiting for the last voter), the agent's store look (p50 time), and
 for the killed rank: the time from its death to every rank having joined the next generation, and
 the store requests in that window (all of the job's, per node too). The simulator shares this
@@ -82,6 +88,7 @@ from control_plane_sim import SECRET, run_worker  # noqa: E402
 
 from ckless_lightning.comm import JobStore  # noqa: E402
 from ckless_lightning.comm.store import connect_store  # noqa: E402
+from ckless_lightning.runtime.config import AgentConfig  # noqa: E402
 
 NODES_PER_PROC = 8  # --procs' default: one worker process per 8 simulated nodes (64 ranks)
 RESULTS_S = 120.0  # the bound on the workers' results once the job is over
@@ -94,13 +101,21 @@ class Row:
     ranks: int
     nodes: int
     procs: int  # the simulator's worker processes (whole nodes each)
+    watch_nodes: int  # the other agents whose beats each agent's pass reads (agent.watch_nodes)
     step_ms: float
     store_requests_per_rank_step: float
     store_requests_per_s: float
     # The two halves of the steady state: what ranks send per step (the vote, beats to the store), and
     # what node agents send per second (their store pass and move watch, per agent.store_interval).
     rank_requests_per_rank_step: float
+    # agents/s: read off each agent's passes (their requests over the time between them), so that a
+    # window holding one pass of this agent and two of that one does not count the phase;
+    # ..._counted: the window's count of the agents' requests, per node and second, for comparison
     agent_requests_per_node_s: float
+    agent_requests_per_node_s_counted: float
+    # The steady window's mean step (--step-ms of sleep, the vote, the simulator's load): per
+    # rank-step, the agents' per-second requests count in proportion to it
+    step_s: float
     requests_by_kind: dict[str, float]  # per rank-step, steady state
     vote_p50_s: float
     vote_p99_s: float
@@ -174,6 +189,7 @@ def simulate(
     local_beats: bool = True,
     collective_vote: bool = False,
     node_join: bool = True,
+    watch_nodes: int = AgentConfig().watch_nodes,
 ) -> Row:
     """Run one simulated job of ``world`` ranks to its end, its nodes split over ``procs`` worker
     processes (None: one per ``NODES_PER_PROC`` nodes); its figures."""
@@ -198,6 +214,7 @@ def simulate(
         collective_vote=collective_vote,
         local_beats=local_beats,
         node_join=node_join and local_beats,
+        watch_nodes=watch_nodes,
     )
     ctx = mp.get_context("fork")  # the workers share what this process imported and mapped
     shared = Shared(ctx, procs, steps)
@@ -257,15 +274,31 @@ def _watch_window(shared: Shared, *, steady_from: int, steady_to: int, bound_s: 
                 agents=shared.snapshot(agents=True),
             )
         if "end" not in window and (at := shared.step_start(steady_to + 1)) is not None:
+            # The agents' count before the whole (the start reads them after): requests counted
+            # between two reads go to the ranks, so the ranks' share is never read below its count
+            agents_end = shared.snapshot(agents=True)
             window.update(
-                end=at,
-                cpu_end=shared.cpu_seconds(),
-                counts_end=shared.snapshot(),
-                agents_end=shared.snapshot(agents=True),
+                end=at, cpu_end=shared.cpu_seconds(), counts_end=shared.snapshot(), agents_end=agents_end
             )
     if "end" not in window:
         raise SystemExit(f"the simulated job ended before step {steady_to + 1}")
     return window
+
+
+def _pass_rate(passes: list[tuple[int, float, float, int]], since: float, until: float) -> float | None:
+    """The node agents' ordinary passes' store requests per node and second: per agent, those of its
+    passes begun in [``since``, ``until``) but the last, over the time from its first to its last;
+    the mean over the agents with two passes there (None: none has)."""
+    by_node: dict[int, list[tuple[float, int]]] = {}
+    for node, start, _, requests in passes:
+        if since <= start < until:
+            by_node.setdefault(node, []).append((start, requests))
+    rates = []
+    for node_passes in by_node.values():
+        node_passes.sort()
+        if len(node_passes) >= 2 and (span := node_passes[-1][0] - node_passes[0][0]) > 0:
+            rates.append(sum(n for _, n in node_passes[:-1]) / span)
+    return sum(rates) / len(rates) if rates else None
 
 
 def _errors(coordinator: Coordinator) -> list[str]:
@@ -291,8 +324,16 @@ def _row(spec: JobSpec, window: dict[str, Any], finals: dict[int, dict[str, Any]
     wall = window["end"] - window["start"]
     rank_steps = spec.world * (spec.kill_step - 5)  # steps 5 .. kill_step - 1
     steady: Counter[str] = window["counts_end"] - window["counts"]
-    total = sum(steady.values())
     by_agents = sum((window["agents_end"] - window["agents"]).values())
+    by_ranks = sum(steady.values()) - by_agents
+    # The agents pass once per agent.store_interval (1 s), each at a phase of its own; a window of a
+    # few steps holds one pass of this agent and two of that one. Their rate is read off their passes
+    # from the window's start to the fault, agent by agent (requests over the time between a first
+    # and a last pass); only without two passes of any agent in that time, off the window's count.
+    agents_per_node_s = _pass_rate(merged("passes"), window["start"], fault_at)
+    if agents_per_node_s is None:
+        agents_per_node_s = by_agents / (spec.nodes * wall)
+    total = by_ranks + agents_per_node_s * spec.nodes * wall
     recovery_counts: Counter[str] = recovered[0] - fault[0]
     recovery_requests = sum(recovery_counts.values())
     steady_votes = [s for t, s in votes if window["start"] <= t <= window["end"]]
@@ -301,11 +342,14 @@ def _row(spec: JobSpec, window: dict[str, Any], finals: dict[int, dict[str, Any]
         ranks=spec.world,
         nodes=spec.nodes,
         procs=spec.procs,
+        watch_nodes=min(spec.watch_nodes or spec.nodes, spec.nodes - 1),
         step_ms=spec.step_s * 1000.0,
         store_requests_per_rank_step=total / rank_steps,
         store_requests_per_s=total / wall,
-        rank_requests_per_rank_step=(total - by_agents) / rank_steps,
-        agent_requests_per_node_s=by_agents / (spec.nodes * wall),
+        rank_requests_per_rank_step=by_ranks / rank_steps,
+        agent_requests_per_node_s=agents_per_node_s,
+        agent_requests_per_node_s_counted=by_agents / (spec.nodes * wall),
+        step_s=wall / (spec.kill_step - 5),
         requests_by_kind={k: v / rank_steps for k, v in sorted(steady.items())},
         vote_p50_s=_percentile(steady_votes, 0.5),
         vote_p99_s=_percentile(steady_votes, 0.99),
@@ -321,7 +365,9 @@ def _row(spec: JobSpec, window: dict[str, Any], finals: dict[int, dict[str, Any]
         recovery_store_requests=recovery_requests,
         recovery_store_requests_per_node=recovery_requests / spec.nodes,
         recovery_requests_by_kind={k: v / spec.world for k, v in sorted(recovery_counts.items())},
-        recovery_pass_requests_per_node=sum(n for t, n in merged("passes") if fault_at <= t <= recovered_at)
+        recovery_pass_requests_per_node=sum(
+            n for _, _, t, n in merged("passes") if fault_at <= t <= recovered_at
+        )
         / spec.nodes,
         sim_cpu_s=(window["cpu_end"] - window["cpu"]) / wall,
         recovery_cpu_s=(recovered[1] - fault[1]) / (recovered_at - fault_at),
@@ -341,9 +387,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help=f"worker processes the simulated nodes are split over (default: one per {NODES_PER_PROC} nodes)",
     )
     parser.add_argument("--step-ms", type=float, default=100.0)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--kill-step", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-step", type=int, default=45)
     parser.add_argument("--tier", type=int, choices=(3, 4), default=4)
+    parser.add_argument(
+        "--watch-nodes",
+        type=int,
+        default=AgentConfig().watch_nodes,
+        help="agent.watch_nodes: how many other agents' beats each agent reads (0: every other "
+        "agent's, the design before 2026-12-08)",
+    )
     parser.add_argument(
         "--vote",
         choices=("wait", "poll", "collective"),
@@ -388,6 +441,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             local_beats=args.beats == "local",
             collective_vote=args.vote == "collective",
             node_join=args.join == "node",
+            watch_nodes=args.watch_nodes,
         )
         rows.append(row)
         print(
@@ -404,7 +458,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        f"{'ranks':>6} {'nodes':>5} {'req/rank-step':>13} {'ranks':>6} {'agents/s':>8} {'req/s':>7} "
+        f"{'ranks':>6} {'nodes':>5} {'step':>6} {'req/rank-step':>13} {'ranks':>6} {'agents/s':>8} "
+        f"{'req/s':>7} "
         f"{'vote p50':>9} {'vote p99':>9} "
         f"{'look p50':>9} {'recovery':>9} {'of it store':>11} {'rec. req':>9} {'req/node':>9} {'passes':>7} "
         f"{'sim cpu':>8}"
@@ -412,8 +467,8 @@ def _table(rows: list[Row]) -> str:
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.ranks:>6} {r.nodes:>5} {r.store_requests_per_rank_step:>13.2f} "
-            f"{r.rank_requests_per_rank_step:>6.2f} {r.agent_requests_per_node_s:>8.2f} "
+            f"{r.ranks:>6} {r.nodes:>5} {r.step_s * 1e3:>4.0f}ms {r.store_requests_per_rank_step:>13.3f} "
+            f"{r.rank_requests_per_rank_step:>6.3f} {r.agent_requests_per_node_s:>8.2f} "
             f"{r.store_requests_per_s:>7.0f} {r.vote_p50_s * 1e3:>7.1f}ms {r.vote_p99_s * 1e3:>7.1f}ms "
             f"{r.agent_look_p50_s * 1e3:>7.2f}ms {r.recovery_s:>8.2f}s {_seconds(r.recovery_store_s):>11} "
             f"{r.recovery_store_requests:>9} "
@@ -421,8 +476,10 @@ def _table(rows: list[Row]) -> str:
             f"{r.sim_cpu_s:>8.2f}"
         )
     lines.append(
-        "(req/rank-step: every request; of them, 'ranks': the ranks' own per rank-step, 'agents/s': the node"
-        " agents' per node and second; 'of it store': the fault to the last node agent seeing the next"
+        "(step: the steady window's mean step; req/rank-step: every request; of them, 'ranks': the ranks' own"
+        " per rank-step, 'agents/s': the node agents' per node and second (read off each agent's passes:"
+        " they come once per agent.store_interval, so per rank-step they cost agents/s x step / ranks per"
+        " node); 'of it store': the fault to the last node agent seeing the next"
         " barrier full, the rest is each node waking its ranks; 'req/node': a recovery's store requests"
         " per node, all of the job's from the fault to every rank joined; 'passes': of them, the node"
         " agents' ordinary store passes meanwhile, one per agent.store_interval, a recovery or not)"

@@ -115,6 +115,7 @@ class JobSpec:
     collective_vote: bool = False  # True: comm.vote=collective (ProcAllReduce), no store request
     local_beats: bool = True  # False: every rank beats to the store (agent.local_beats=false, before)
     node_join: bool = True  # False: every rank joins through the store (the design before the relay)
+    watch_nodes: int = 2  # agent.watch_nodes; 0: every agent reads every other's beat (before 2026-12-08)
 
     def __post_init__(self) -> None:
         assert self.world % self.per_node == 0 and 1 <= self.procs <= self.nodes

@@ -11,6 +11,7 @@ to the parent in one message at its end.
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from collections import Counter
@@ -54,7 +55,8 @@ class WorkerJob:
     # --vote collective: (monotonic end, the vote to the last rank's arrival, that arrival to the return)
     vote_parts: list[tuple[float, float, float]] = field(default_factory=list)
     looks: list[float] = field(default_factory=list)
-    passes: list[tuple[float, int]] = field(default_factory=list)  # agents' ordinary passes: (end, requests)
+    # agents' ordinary passes: (node, monotonic start, monotonic end, requests)
+    passes: list[tuple[int, float, float, int]] = field(default_factory=list)
     joined_after_fault: dict[int, float] = field(default_factory=dict)  # rank -> monotonic join time
     barrier_full: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # node -> (gen, time)
     asked_at: dict[int, float] = field(default_factory=dict)  # rank -> its last join request after the fault
@@ -355,6 +357,7 @@ class SimAgent(threading.Thread):
             nnodes=spec.nodes,
             node_timeout_s=30.0,
             agent_id=f"sim-agent-{node}",
+            watch_nodes=spec.watch_nodes or max(1, spec.nodes - 1),
             board=self.board,
             slots={rank: slot for slot, rank in enumerate(self.local)} if self.board else None,
         )
@@ -382,6 +385,11 @@ class SimAgent(threading.Thread):
 
     def run(self) -> None:
         job, spec, gen, looked_once = self.job, self.job.spec, 0, False
+        # A real job's agents start seconds apart, so their passes fall at unrelated moments; these
+        # start together, so each delays its first pass after the set-up by a phase of its own (a
+        # store that sees every agent's pass in the same instant, and a window that holds a whole
+        # number of them, would be artefacts of the simulator)
+        interval, phase = STORE_INTERVAL_S, random.Random(self.node).uniform(0.0, STORE_INTERVAL_S)
         self.watch.start()
         if self.relay is not None:
             self.relay.start()
@@ -391,7 +399,7 @@ class SimAgent(threading.Thread):
                     lost = [r for r in self.local if r in job.dead]
                     job.dead.difference_update(lost)
                 moved = self.watch.take()
-                due = moved or lost or self.look.since_pass() >= STORE_INTERVAL_S
+                due = moved or lost or self.look.since_pass() >= interval
                 # NodeAgent glances at its board every tick (for hangs, not simulated here); with a board
                 # that glance asks for a store pass only before the first, so the simulated agent skips
                 # it after that (~0.1 ms of an interpreter, 10 times a second per node)
@@ -401,11 +409,14 @@ class SimAgent(threading.Thread):
                     look = self.look.look(gen, self.local)
                     job.looks.append(time.perf_counter() - start)
                     if not (moved or lost):  # an ordinary pass (its interval), not one for a move or death
-                        job.passes.append((time.monotonic(), self.own.total() - before))
+                        job.passes.append((self.node, start, time.monotonic(), self.own.total() - before))
                     gen, looked_once = max(gen, look.current), True
                     self.first_pass.set()
-                    if steady:
+                    if steady and not self.steady_pass.is_set():  # the set-up is over: this agent's phase
                         self.steady_pass.set()
+                        interval = STORE_INTERVAL_S + phase
+                    elif steady:
+                        interval = STORE_INTERVAL_S
                 for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
                     if self.relay is not None:
                         self.relay.slot_lost(rank % spec.per_node)

@@ -27,7 +27,8 @@ def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     (row,) = json.loads(rows_path.read_text())
-    assert (row["ranks"], row["nodes"], row["procs"]) == (16, 2, 2)
+    assert (row["ranks"], row["nodes"], row["procs"], row["watch_nodes"]) == (16, 2, 2, 1)
+    assert row["step_s"] >= 0.02 and row["agent_requests_per_node_s_counted"] >= 0
     kinds = row["requests_by_kind"]
     # Each rank-step: a vote (add, then a blocking wait and a get); the agents' looks on top. The two
     # heartbeats go to the node's board, and each agent publishes its ranks' changed beats once a pass
