@@ -386,10 +386,11 @@ class SimAgent(threading.Thread):
     def run(self) -> None:
         job, spec, gen, looked_once = self.job, self.job.spec, 0, False
         # A real job's agents start seconds apart, so their passes fall at unrelated moments; these
-        # start together, so each delays its first pass after the set-up by a phase of its own (a
-        # store that sees every agent's pass in the same instant, and a window that holds a whole
-        # number of them, would be artefacts of the simulator)
-        interval, phase = STORE_INTERVAL_S, random.Random(self.node).uniform(0.0, STORE_INTERVAL_S)
+        # start together, so each makes its second pass a phase of its own after its first, and
+        # goes on once per interval from there, before the ranks start (a store that sees every
+        # agent's pass in the same instant, and a window that holds one pass of this agent and two
+        # of that one, would be artefacts of the simulator)
+        interval = random.Random(self.node).uniform(0.0, STORE_INTERVAL_S)
         self.watch.start()
         if self.relay is not None:
             self.relay.start()
@@ -411,12 +412,11 @@ class SimAgent(threading.Thread):
                     if not (moved or lost):  # an ordinary pass (its interval), not one for a move or death
                         job.passes.append((self.node, start, time.monotonic(), self.own.total() - before))
                     gen, looked_once = max(gen, look.current), True
-                    self.first_pass.set()
-                    if steady and not self.steady_pass.is_set():  # the set-up is over: this agent's phase
-                        self.steady_pass.set()
-                        interval = STORE_INTERVAL_S + phase
-                    elif steady:
+                    if self.first_pass.is_set():  # the second pass on: once an interval
                         interval = STORE_INTERVAL_S
+                    self.first_pass.set()
+                    if steady:
+                        self.steady_pass.set()
                 for rank in lost:  # what ReplaceFailed does for a rank that exited: next generation, spare
                     if self.relay is not None:
                         self.relay.slot_lost(rank % spec.per_node)

@@ -83,3 +83,21 @@ def test_the_collective_vote_spans_the_simulators_worker_processes(tmp_path: Pat
     # (CPU time is read in clock ticks, 10 ms: a steady window of 3 steps of 20 ms may read none)
     assert row["sim_cpu_per_rank_step_s"] >= 0 and row["cores"] >= 1
     assert "the simulator's own load" in run.stdout and "2 worker process(es)" in run.stdout
+
+
+def test_the_thread_wake_floor_prints_each_size_beside_the_smallest() -> None:
+    """``bench/thread_wake.py``, the simulator's floor quoted beside the vote: each size's wake-up
+    of every thread timed, with its ratio to the smallest (the baseline)."""
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "thread_wake.py"), "--threads", "4", "2", "--trials", "2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[1].split()[0] == "2" and lines[1].endswith("1.0x") and lines[2].split()[0] == "4"
+    assert "baseline: 2 threads" in lines[-1]
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "thread_wake.py"), "--threads", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "--threads and --trials must be at least 1" in bad.stderr
