@@ -67,3 +67,25 @@ def test_checkpoints_are_found_under_lightnings_default_names_too(tmp_path):
     moved = quarantine_checkpoints(tmp_path, after_step=3, tag="t")
     assert sorted(p.name for p in moved) == ["epoch=0-step=8.ckpt.suspect-t", "epoch=0-step=9.ckpt.suspect-t"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step00000003.ckpt"
+
+
+def test_a_steps_loss_is_recorded_before_tier_4_records_the_step(compose, monkeypatch):
+    """At a step's end the loss record comes before the recovery's callbacks (tier 4's snapshot):
+    a rank 0 killed between the two left a step the job resumed after with no loss in
+    losses.jsonl (a chaos soak, 2026-12-08). Killed after the record and before the snapshot, the
+    step is redone and its loss recorded twice, the same."""
+    import lightning.pytorch as pl
+
+    from ckless_lightning.runtime.config import job_config_from_dict
+    from ckless_lightning.training.callbacks import DataPositionCallback, LossHistoryCallback
+    from ckless_lightning.training.job import build_trainer
+
+    class Recovery(pl.Callback):  # stands for InProcessRecovery's callbacks (SnapshotCallback first)
+        pass
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)  # what a rank's environment holds (TorchElasticEnvironment)
+    recovery = Recovery()
+    trainer = build_trainer(job_config_from_dict(compose("tier='4'", "fault=none")), callbacks=[recovery])
+    kinds = [type(c) for c in trainer.callbacks]
+    assert kinds[:3] == [DataPositionCallback, LossHistoryCallback, Recovery], kinds

@@ -105,12 +105,17 @@ def build_trainer(
     if view is not None and view.active is not None:
         environment = GenerationEnvironment(view)
         rank, world_size = view.rank, view.world_size
-    # ``callbacks`` right after the data position: tier 4's snapshot must see the committed loader
-    # position and run before LossHistoryCallback's all-reduce (see SnapshotCallback).
+    # ``callbacks`` right after the data position and the loss record: tier 4's snapshot must see the
+    # committed loader position and run before any callback that communicates (see SnapshotCallback),
+    # and a step's loss must be on disk before the step is recorded in memory: a rank 0 killed
+    # between the two would otherwise leave a step the job resumes after with no loss (chaos soak,
+    # 2026-12-08). LossHistoryCallback does not communicate at a step's end (its all-reduce is
+    # before the update); a kill after its record and before the snapshot redoes the step, whose
+    # loss is then recorded twice, the same.
     all_callbacks: list[pl.Callback] = [
         DataPositionCallback(),
-        *(callbacks or []),
         LossHistoryCallback(run_dir / "losses.jsonl"),
+        *(callbacks or []),
         StepStatsCallback(run_dir / "step_stats"),
     ]
     if job.checkpoint.every_n_steps:

@@ -32,7 +32,10 @@ class LossHistoryCallback(pl.Callback):
     backpropagated. The reduction runs in ``on_before_optimizer_step``, inside
     the step and before the commit vote, so that nothing communicates between a
     rank's update and the end of its step (tier 4's snapshot relies on it, and a
-    peer lost during an update cannot leave a committed step without its loss).
+    peer lost during an update cannot leave a committed step without its loss). The
+    record is written before tier 4's snapshot records the step (the job puts this
+    callback ahead of it), so a rank 0 killed at a step's end cannot leave a step the
+    job resumes after without its loss; killed between the two, the step is redone.
     Keeps only the current step's values, so it has no state to checkpoint.
     """
 

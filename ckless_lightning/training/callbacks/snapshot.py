@@ -3,7 +3,9 @@
 Called at the end of each optimizer step (``on_train_batch_end`` of its last
 micro-batch), before any callback that communicates: the in-process recovery
 loop puts it right after ``DataPositionCallback`` (which it needs: the loader
-position in the snapshot must be the committed step). No collective runs
+position in the snapshot must be the committed step) and ``LossHistoryCallback``
+(which does not communicate there: a step's loss is on disk before the step is
+recorded, so a step the job resumes after always has its loss). No collective runs
 between the optimizer update and this point, so a survivor's live tensors and
 its last snapshot always describe the same step.
 
