@@ -1,7 +1,7 @@
 """The job's control plane at scale, without training: N simulated ranks against the real job store.
 
     python bench/control_plane.py [--ranks 8 64 256 1024] [--ranks-per-node 8] [--step-ms 100]
-                                  [--steps 60] [--kill-step 45] [--tier 4] [--vote wait|poll|collective]
+                                  [--steps 60] [--kill-step 45] [--tier 4] [--vote collective|wait|poll]
                                   [--beats local|store] [--join node|store] [--watch-nodes K]
                                   [--procs K] [--json PATH]
 
@@ -36,7 +36,8 @@ job in one request, as on a real job, whose agents run for seconds before its ra
 - one rank dies before its vote on ``--kill-step`` (its thread ends; a real rank's process would);
   the others find out in the vote, leave, and join the next generation with the replacement.
 
-``--vote collective`` (``comm.vote=collective``): the vote is an all-reduce on the generation's
+``--vote collective`` (``comm.vote=collective``, the default, as ``comm.vote=auto`` resolves without
+the HSDP digest): the vote is an all-reduce on the generation's
 process group, not store traffic; here a two-level rendezvous stands in for it (the MIN of each
 rank's flag: 0 once its watch saw the job move): a worker's rank threads meet in memory, and the
 worker and this process exchange one message each per step over a pipe. A rank's death fails its
@@ -400,9 +401,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--vote",
         choices=("wait", "poll", "collective"),
-        default="wait",
-        help="the step vote: through the store, a waiting voter blocked in it (comm.vote=store) or "
-        "polling it (before); or an all-reduce (comm.vote=collective)",
+        default="collective",
+        help="the step vote: an all-reduce (comm.vote=collective, what comm.vote=auto is without the "
+        "HSDP digest; the default); or through the store, a waiting voter blocked in it "
+        "(comm.vote=store) or polling it (before)",
     )
     parser.add_argument(
         "--beats",

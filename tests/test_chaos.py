@@ -6,8 +6,9 @@ start-up, steps, recoveries, process-group formation and the final save alike. E
 bitwise equal to the fault-free run of its shape (every loss, the final weights and optimizer
 state), every restore it served from memory was verified, and nothing it started is left: no
 process, no batch-cache directory. Shapes: buddy copies on 4 ranks (two seeds; seed 3 is the run
-that once ended with exit 0 and other losses; seed 3 again with the step vote as an all-reduce,
-``comm.vote=collective``) and on 3 (uneven shards), HSDP 2x2, Mixtral.
+that once ended with exit 0 and other losses; seed 3 again with the step vote through the job
+store, ``comm.vote=store``, where the default is the all-reduce) and on 3 (uneven shards), HSDP 2x2
+(the store vote, which carries its state digest), Mixtral.
 ``bench/soak.py --seeds N`` runs the same over many seeds.
 """
 
@@ -24,11 +25,12 @@ from test_agent import events_of
 STEPS = 12
 SHAPES = {
     "buddy4": (TINY_REFERENCE, ("recipe=llama3_tiny", "replication.source=buddy")),
-    # the step vote as an all-reduce (comm.vote=collective): a kill inside it can leave the
-    # survivors one step apart, and the restore must resume where all of them can
-    "buddy4-allreduce": (
+    # The step vote is an all-reduce in the other buddy shapes (comm.vote=auto): a kill inside it
+    # can leave the survivors one step apart, and the restore must resume where all of them can.
+    # This one votes through the job store, a user's choice (and HSDP's, with its digest)
+    "buddy4-store": (
         TINY_REFERENCE,
-        ("recipe=llama3_tiny", "replication.source=buddy", "comm.vote=collective"),
+        ("recipe=llama3_tiny", "replication.source=buddy", "comm.vote=store"),
     ),
     "buddy3": (
         THREE_RANK_REFERENCE,
@@ -50,7 +52,7 @@ def pids_started(run: Path) -> set[int]:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     ("shape", "seed"),
-    [("buddy4", 3), ("buddy4", 11), ("buddy4-allreduce", 3), ("buddy3", 5), ("hsdp", 7), ("mixtral", 2)],
+    [("buddy4", 3), ("buddy4", 11), ("buddy4-store", 3), ("buddy3", 5), ("hsdp", 7), ("mixtral", 2)],
 )
 def test_chaos_kills_and_stops_of_any_process_at_any_time_end_bitwise(
     tmp_path, data_cache, reference_run, shape, seed

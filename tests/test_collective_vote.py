@@ -96,9 +96,28 @@ def test_a_peer_lost_before_its_vote_fails_the_others_vote_as_a_lost_peer(tmp_pa
 
 
 def test_comm_vote_is_checked():
-    with pytest.raises(ValueError, match=r"comm\.vote must be one of store, collective"):
+    with pytest.raises(ValueError, match=r"comm\.vote must be one of auto, store, collective"):
         CommConfig(vote="raft")
     assert CommConfig(vote="collective").vote == "collective"
+    assert CommConfig().vote == "auto"
+
+
+def test_auto_is_the_collective_but_where_the_store_vote_carries_the_digest_or_the_job_is_elastic(compose):
+    """``comm.vote=auto`` (the default) resolves as the job's config is built: the collective at
+    tiers 3-4 with buddy copies or HSDP without the digest; the store vote with the HSDP digest
+    (which only it carries: a bitflip fault needs it), in an elastic job, and at tiers 0-2."""
+    from ckless_lightning.runtime.config import job_config_from_dict
+
+    def vote(*overrides: str) -> str:
+        return job_config_from_dict(compose("fault=none", *overrides)).comm.vote
+
+    assert vote("tier='4'") == "collective" and vote("tier='3'") == "collective"
+    assert vote("tier='4'", "cluster.replicate=2") == "store"  # the digest is on by default
+    assert vote("tier='4'", "cluster.replicate=2", "replication.digest_every=0") == "collective"
+    assert vote("tier='1'") == "store"
+    elastic = ("tier='4'", "cluster.replicate=2", "replication.digest_every=0", "elastic.enabled=true")
+    assert vote(*elastic) == "store"
+    assert vote("tier='4'", "comm.vote=store") == "store"  # an explicit choice stands
 
 
 def test_the_collective_vote_is_refused_with_the_hsdp_digest(compose):

@@ -15,14 +15,15 @@ BENCH = ROOT / "bench"
 
 @pytest.mark.timeout(180)
 def test_a_simulated_job_of_16_ranks_recovers_and_its_rows_feed_the_scale_model(tmp_path: Path) -> None:
-    """Two nodes of 8 simulated ranks, one killed, each node in a worker process of its own: every
+    """Two nodes of 8 simulated ranks voting through the store (``--vote wait``, ``comm.vote=store``),
+    one killed, each node in a worker process of its own: every
     rank reaches the next generation, the store requests of both workers are counted (votes, the
     agents' looks and what they publish), and ``scale_model.py --measured`` takes the rows as
     measured inputs."""
     rows_path = tmp_path / "rows.json"
     run = subprocess.run(
         [sys.executable, str(BENCH / "control_plane.py"), "--ranks", "16", "--steps", "12",
-         "--kill-step", "8", "--step-ms", "20", "--procs", "2", "--json", str(rows_path)],
+         "--kill-step", "8", "--step-ms", "20", "--procs", "2", "--vote", "wait", "--json", str(rows_path)],
         capture_output=True, text=True, timeout=150,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr

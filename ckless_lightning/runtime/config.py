@@ -336,7 +336,7 @@ class AgentConfig:
             )
 
 
-VOTES = ("store", "collective")  # comm.vote: how the ranks decide a step's commit
+VOTES = ("auto", "store", "collective")  # comm.vote: how the ranks decide a step's commit
 
 
 @dataclass
@@ -366,6 +366,8 @@ class CommConfig:
     all-reduce on the generation's process group, no store request (a fault inside it can leave
     the survivors one step apart; the recovery then resumes where all of them can, from copies or
     the disk). ``collective`` does not carry the HSDP state digest (``replication.digest_every``).
+    ``auto`` (the default): ``collective``, but ``store`` where the HSDP digest is on or the job is
+    elastic (:meth:`JobConfig.resolved_vote`; the job's config holds the resolved value).
     """
 
     rootless: bool = False
@@ -374,7 +376,7 @@ class CommConfig:
     join_timeout_s: float = 900.0
     stuck_grace_s: float = 0.25
     stuck_exit_s: float = 10.0
-    vote: str = "store"
+    vote: str = "auto"
 
     def __post_init__(self) -> None:
         for key in ("pg_timeout_s", "init_timeout_s", "join_timeout_s", "stuck_grace_s", "stuck_exit_s"):
@@ -508,6 +510,8 @@ class JobConfig:
             )
         if self.tier == 4:
             self._check_redundancy()
+        if self.comm.vote == "auto":
+            self.comm.vote = self.resolved_vote()
         if (
             self.comm.vote == "collective"
             and self.tier >= 3
@@ -687,6 +691,16 @@ class JobConfig:
                     "shard and its copy together; use a multiple of cluster.nproc_per_node "
                     "(null picks the next node)"
                 )
+
+    def resolved_vote(self) -> str:
+        """What ``comm.vote=auto`` is for this job: ``collective`` (no store request per step), but
+        ``store`` where the vote carries the HSDP replicas' state digest (tiers 3-4,
+        ``cluster.replicate >= 2``, ``replication.digest_every > 0``), in an elastic job (the
+        collective has not run its grows and shrinks), and at tiers 0-2 (no vote)."""
+        digest = self.cluster.replicate >= 2 and self.replication.digest_every > 0
+        if self.tier < 3 or digest or self.elastic.enabled:
+            return "store"
+        return "collective"
 
     def _check_elastic(self) -> None:
         """Elastic HSDP's needs: tier 4's replica restore, and a global batch every width divides."""
