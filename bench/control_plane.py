@@ -343,7 +343,7 @@ def _row(spec: JobSpec, window: dict[str, Any], finals: dict[int, dict[str, Any]
         ranks=spec.world,
         nodes=spec.nodes,
         procs=spec.procs,
-        watch_nodes=min(spec.watch_nodes or spec.nodes, spec.nodes - 1),
+        watch_nodes=min(spec.agent_watch_nodes, spec.nodes - 1),
         step_ms=spec.step_s * 1000.0,
         store_requests_per_rank_step=total / rank_steps,
         store_requests_per_s=total / wall,

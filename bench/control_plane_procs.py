@@ -126,6 +126,11 @@ class JobSpec:
         return self.world // self.per_node
 
     @property
+    def agent_watch_nodes(self) -> int:
+        """What each simulated agent's ``StoreLook`` is given as ``watch_nodes`` (0: every other node)."""
+        return self.watch_nodes or max(1, self.nodes - 1)
+
+    @property
     def bound_s(self) -> float:
         """The bound on the whole job, its start's phases past (parent and workers alike)."""
         return SETUP_S + 60.0 * self.steps

@@ -357,7 +357,7 @@ class SimAgent(threading.Thread):
             nnodes=spec.nodes,
             node_timeout_s=30.0,
             agent_id=f"sim-agent-{node}",
-            watch_nodes=spec.watch_nodes or max(1, spec.nodes - 1),
+            watch_nodes=spec.agent_watch_nodes,
             board=self.board,
             slots={rank: slot for slot, rank in enumerate(self.local)} if self.board else None,
         )
